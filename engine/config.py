@@ -1,0 +1,102 @@
+"""Frozen engine configuration.
+
+The chain ModelConfig -> CacheConfig -> SchedulerConfig -> EngineConfig keeps every
+field in one flat keyword namespace (``EngineConfig(model=..., page_size=...)``) while
+each layer of the engine only needs to know the part it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
+HICACHE_HOST_ALLOC = ("auto", "pin_memory", "host_register", "pageable")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load, where, and in what precision."""
+
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    served_model_name: str | None = None
+    # Where converted GGUF models are cached; None: $HISERVE_CACHE_DIR or ~/.cache/hiserve.
+    cache_dir: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig(ModelConfig):
+    """Device KV pool, prefix cache and HiCache host tier."""
+
+    # Device KV pool size in tokens; None: derive from kv_mem_fraction of free memory.
+    kv_cache_tokens: int | None = None
+    kv_mem_fraction: float = 0.5
+    page_size: int = 1
+    enable_prefix_cache: bool = True
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float | None = None  # GB; overrides hicache_ratio when set
+    hicache_mem_layout: str = "layer_first"
+    hicache_write_policy: str = "write_through"
+    hicache_host_alloc: str = "auto"
+    # Host hits shorter than this are recomputed instead of loaded back.
+    hicache_load_threshold: int = 16
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(CacheConfig):
+    """Batching limits and policy."""
+
+    max_running_requests: int = 64
+    max_waiting_requests: int = 1024
+    max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 1024
+    schedule_policy: str = "fcfs"
+    # Context length; None: the model config's max_position_embeddings.
+    max_model_len: int | None = None
+    max_stop_strings: int = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig(SchedulerConfig):
+    """Everything the engine needs; the server's arguments map onto it."""
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
+        _check_choice("hicache_mem_layout", self.hicache_mem_layout, HICACHE_MEM_LAYOUTS)
+        _check_choice("hicache_host_alloc", self.hicache_host_alloc, HICACHE_HOST_ALLOC)
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens",
+                     "chunked_prefill_size", "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} is too small; "
+                f"it must hold at least two pages of page_size={self.page_size}"
+            )
+        if not 0.0 < self.kv_mem_fraction <= 1.0:
+            raise ValueError(f"kv_mem_fraction must be in (0, 1], got {self.kv_mem_fraction}")
+        if self.hicache_ratio <= 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.hicache_size is not None and self.hicache_size <= 0:
+            raise ValueError(f"hicache_size must be > 0 GB, got {self.hicache_size}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")

@@ -1,0 +1,180 @@
+"""Per-request state: sampling parameters, the request itself, and what it outputs."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # aborted by the client or the engine
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request (OpenAI fields plus vLLM/SGLang extras)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N alternatives per generated token; 0: chosen only
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self, vocab_size: int, max_stop_strings: int = 16) -> None:
+        """Raise ValueError naming the offending field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+            )
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if len(self.stop) > max_stop_strings:
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {max_stop_strings} are allowed"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # token id -> logprob
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one request after an engine step: the delta and the totals so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # generated text so far (a matched stop string is cut off)
+    new_token_ids: list[int]  # tokens added since the previous output
+    new_text: str  # text added since the previous output (never a partial UTF-8 char)
+    finished: bool
+    finish_reason: str | None
+    cached_tokens: int  # prompt tokens served from the prefix cache (device + host)
+    cached_tokens_device: int
+    cached_tokens_host: int
+    logprobs: list[TokenLogprob] | None = None  # all so far, when requested
+    new_logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None  # matched stop string or stop token id
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class ReqStatus(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """Engine-side state of one request.
+
+    NOTE: KV ownership of a running request, by index range of ``all_ids``:
+      [0, prefix_len)            slots of matched tree nodes (locked via ``last_node``);
+      [prefix_len, kv_len)       slots this request allocated and owns;
+      [kv_len, len(all_ids))     tokens whose KV is not computed yet.
+    On finish the owned range is handed to the tree (or freed) and the lock released.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    # KV bookkeeping (owned by the scheduler)
+    row: int = -1  # row in the request table; -1 when not running
+    kv_len: int = 0  # tokens whose KV is in the device pool
+    prefix_len: int = 0  # tokens of kv_len held by locked tree nodes
+    last_node: Any = None  # deepest locked tree node
+    # Reporting (first admission only: a retracted request keeps its first numbers)
+    cached_device: int = 0
+    cached_host: int = 0
+    reported_cache: bool = False
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    detok: IncrementalDetokenizer | None = None
+    text: str = ""
+    sent_tokens: int = 0  # output tokens already reported
+    sent_text: int = 0  # characters of text already reported
+    sent_logprobs: int = 0
+    generator: Any = None  # torch.Generator for seeded sampling
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == ReqStatus.FINISHED
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
