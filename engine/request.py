@@ -162,6 +162,7 @@ class Req:
     sent_text: int = 0  # characters of text already reported
     sent_logprobs: int = 0
     generator: Any = None  # torch.Generator for seeded sampling
+    stop_checker: Any = None  # detokenizer.StopChecker, built on first use
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,0 +1,135 @@
+"""Who owns which KV slot: the allocator, the request table and the prefix cache together."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
+from engine.kvcache.radix_cache import RadixCache
+from engine.kvcache.req_table import ReqTable
+from engine.request import Req
+
+
+class KVCacheManager:
+    """Slot bookkeeping for running requests over one device pool.
+
+    NOTE: a running request owns the pages covering ``[prefix_len, kv_len)`` of its
+    tokens (``prefix_len`` is page-aligned); ``[0, prefix_len)`` belongs to locked tree
+    nodes. Hence ``allocator.free_tokens + sum(owned) + tree.cached_tokens == capacity``.
+    """
+
+    def __init__(self, allocator: PageAllocator, req_table: ReqTable, tree: RadixCache) -> None:
+        self.allocator = allocator
+        self.req_table = req_table
+        self.tree = tree
+        self.page_size = allocator.page_size
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def available_tokens(self) -> int:
+        """Free plus evictable device tokens."""
+        return self.allocator.free_tokens + self.tree.evictable_tokens
+
+    def owned_tokens(self, req: Req) -> int:
+        return self.allocator.pages_for(req.kv_len - req.prefix_len) * self.page_size
+
+    def new_tokens_cost(self, req: Req, num_tokens: int) -> int:
+        """Device tokens (whole pages) that growing ``req`` by ``num_tokens`` takes."""
+        have = self.owned_tokens(req) - (req.kv_len - req.prefix_len)
+        extra = max(0, num_tokens - have)
+        return self.allocator.pages_for(extra) * self.page_size
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, req: Req) -> None:
+        """Give ``req`` a table row and lock its longest cached prefix."""
+        req.row = self.req_table.alloc_row()
+        # The last token must be computed to get logits, so never match all of it.
+        match = self.tree.match_prefix(req.all_ids[: req.seq_len - 1])
+        # Lock before any load-back: its allocation may evict, never our own prefix.
+        self.tree.lock(match.device_node)
+        device_hit = match.device_len
+        if match.host_len > 0:
+            loaded = self.tree.load_back(match)
+            if loaded.device_node is not match.device_node:
+                self.tree.lock(loaded.device_node)
+                self.tree.unlock(match.device_node)
+                match = loaded
+        req.last_node = match.device_node
+        req.prefix_len = req.kv_len = match.device_len
+        self.req_table.write(req.row, 0, match.device_slots)
+        if not req.reported_cache:
+            req.cached_device = device_hit
+            req.cached_host = match.device_len - device_hit
+            req.reported_cache = True
+
+    def peek_prefix_len(self, req: Req) -> int:
+        """Cached prefix length without locking (for the lpm policy)."""
+        return self.tree.match_prefix(req.all_ids[: req.seq_len - 1], touch=False).device_len
+
+    # ------------------------------------------------------------------ growth
+    def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:
+        """Slots for tokens ``[kv_len, kv_len + num_tokens)`` of ``req``; bumps kv_len.
+
+        Evicts unlocked cache leaves when the free list is short; raises OutOfSlotsError
+        when even that is not enough (the caller retracts or waits).
+        """
+        page = self.page_size
+        start = req.kv_len
+        parts: list[torch.Tensor] = []
+        used_in_page = (start - req.prefix_len) % page
+        if used_in_page:
+            # Fill the rest of the request's current partial page first.
+            last = int(self.req_table.table[req.row, start - 1])
+            take = min(page - used_in_page, num_tokens)
+            parts.append(torch.arange(last + 1, last + 1 + take, dtype=torch.int64))
+        remaining = num_tokens - sum(p.numel() for p in parts)
+        if remaining > 0:
+            num_pages = self.allocator.pages_for(remaining)
+            short = num_pages - self.allocator.free_pages
+            if short > 0:
+                self.tree.evict(short * page)
+            if num_pages > self.allocator.free_pages:
+                raise OutOfSlotsError(
+                    f"need {num_pages} KV pages, {self.allocator.free_pages} free after eviction"
+                )
+            parts.append(self.allocator.alloc_pages(num_pages)[:remaining])
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.req_table.write(req.row, start, slots)
+        req.kv_len = start + num_tokens
+        return slots
+
+    # ------------------------------------------------------------------ release
+    def release(self, req: Req) -> None:
+        """Hand a leaving request's KV to the tree (or free it) and unlock its prefix."""
+        if req.row < 0:
+            return
+        kv_len = req.kv_len
+        slots = self.req_table.read(req.row, 0, kv_len)
+        page = self.page_size
+        aligned = kv_len - (kv_len - req.prefix_len) % page if self.tree.enabled else req.prefix_len
+        if self.tree.enabled and aligned > req.prefix_len:
+            already = self.tree.insert(req.all_ids[:aligned], slots[:aligned])
+            # Tokens the tree already held were computed twice; drop this copy.
+            if already > req.prefix_len:
+                self.allocator.free(slots[req.prefix_len : already])
+        if kv_len > aligned:
+            self.allocator.free(slots[aligned:kv_len])
+        self.tree.unlock(req.last_node)
+        self.req_table.free_row(req.row)
+        req.row = -1
+        req.last_node = None
+        req.kv_len = req.prefix_len = 0
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self, running: list[Req]) -> None:
+        """``free + owned + cached == capacity`` (tests call this after every step)."""
+        owned = sum(self.owned_tokens(r) for r in running if r.row >= 0)
+        total = self.allocator.free_tokens + owned + self.tree.cached_tokens
+        if total != self.capacity:
+            raise AssertionError(
+                f"KV accounting broken: free {self.allocator.free_tokens} + owned {owned} + "
+                f"cached {self.tree.cached_tokens} = {total} != capacity {self.capacity}"
+            )

@@ -1,0 +1,286 @@
+"""Radix tree over token ids whose nodes hold the KV slots of those tokens."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+from engine.kvcache.allocator import PageAllocator
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    """One edge of the radix tree: ``key`` tokens and where their KV lives.
+
+    ``value``: device slots (int64, CPU tensor) or None once evicted from the device.
+    ``host_value``: host-tier slots or None (HiCache only).
+    """
+
+    __slots__ = (
+        "children",
+        "host_value",
+        "hit_count",
+        "id",
+        "key",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "value",
+    )
+    _ids = itertools.count()
+
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None):
+        self.key = key
+        self.value = value
+        self.host_value: torch.Tensor | None = None
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = time.monotonic()
+        self.hit_count = 0
+        self.id = next(TreeNode._ids)
+
+    @property
+    def on_device(self) -> bool:
+        return self.value is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_value is not None
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.last_access < other.last_access
+
+
+class MatchResult(NamedTuple):
+    """Longest cached prefix of a key, split by tier."""
+
+    device_slots: torch.Tensor  # [device_len] slots of the device-resident part
+    device_node: TreeNode  # deepest device-resident matched node (root if none)
+    host_len: int  # tokens after the device part that exist on the host tier only
+    host_node: TreeNode  # deepest matched node overall (== device_node when host_len 0)
+
+    @property
+    def device_len(self) -> int:
+        return int(self.device_slots.numel())
+
+
+class RadixCache:
+    """Prefix cache with lock counts and LRU eviction of unlocked leaves.
+
+    NOTE: every device slot is exactly one of free (allocator), owned by a running
+    request, or held by a node here: ``free + owned + cached_tokens == capacity``.
+    A node with ``lock_ref > 0`` is in use by a running request and is never evicted;
+    locking a node locks its whole path to the root.
+    """
+
+    def __init__(self, allocator: PageAllocator, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.enabled = enabled
+        self.evicted_device_tokens = 0
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        self.root = TreeNode([], _EMPTY, None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.cached_tokens = 0  # device tokens held by nodes
+        self.protected_tokens = 0  # device tokens held by locked nodes
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.cached_tokens - self.protected_tokens
+
+    def _page_key(self, key: list[int], start: int = 0) -> tuple[int, ...]:
+        return tuple(key[start : start + self.page_size])
+
+    def _common_len(self, a: list[int], b: list[int], b_start: int) -> int:
+        n = min(len(a), len(b) - b_start)
+        i = 0
+        while i < n and a[i] == b[b_start + i]:
+            i += 1
+        return i - i % self.page_size
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, key: list[int], touch: bool = True) -> MatchResult:
+        """Longest page-aligned cached prefix of ``key``; splits a node matched partway."""
+        if not self.enabled:
+            return MatchResult(_EMPTY, self.root, 0, self.root)
+        now = time.monotonic()
+        node = self.root
+        device_parts: list[torch.Tensor] = []
+        device_node = self.root
+        host_len = 0
+        pos = 0
+        while len(key) - pos >= self.page_size:
+            child = node.children.get(self._page_key(key, pos))
+            if child is None:
+                break
+            matched = self._common_len(child.key, key, pos)
+            if matched == 0:
+                break
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            if touch:
+                child.last_access = now
+                child.hit_count += 1
+            if child.on_device:
+                assert child.value is not None
+                device_parts.append(child.value)
+                device_node = child
+            else:
+                host_len += matched
+            node = child
+            pos += matched
+        device_slots = torch.cat(device_parts) if device_parts else _EMPTY
+        return MatchResult(device_slots, device_node, host_len, node)
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Cut ``child`` after ``at`` tokens; return the new upper node."""
+        parent = child.parent
+        assert parent is not None
+        upper = TreeNode(child.key[:at], None, parent)
+        upper.value = child.value[:at] if child.value is not None else None
+        upper.host_value = child.host_value[:at] if child.host_value is not None else None
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
+        child.key = child.key[at:]
+        child.value = child.value[at:] if child.value is not None else None
+        child.host_value = child.host_value[at:] if child.host_value is not None else None
+        child.parent = upper
+        upper.children[self._page_key(child.key)] = child
+        parent.children[self._page_key(upper.key)] = upper
+        return upper
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, key: list[int], slots: torch.Tensor) -> int:
+        """Insert page-aligned ``key`` with device ``slots``; return how many leading
+        tokens were already cached on the device (the caller frees its copies of those).
+        """
+        assert len(key) == slots.numel() and len(key) % self.page_size == 0
+        if not self.enabled:
+            return 0
+        now = time.monotonic()
+        node = self.root
+        pos = 0
+        already = 0
+        while pos < len(key):
+            child = node.children.get(self._page_key(key, pos))
+            if child is None:
+                new = TreeNode(key[pos:], slots[pos:].clone(), node)
+                new.last_access = now
+                node.children[self._page_key(new.key)] = new
+                self.cached_tokens += len(new.key)
+                self._on_insert_node(new)
+                return already
+            matched = self._common_len(child.key, key, pos)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access = now
+            if child.on_device:
+                already = pos + matched
+            else:
+                # Host-only node: the request recomputed it; adopt the request's slots.
+                child.value = slots[pos : pos + matched].clone()
+                self.cached_tokens += matched
+                if child.lock_ref > 0:
+                    self.protected_tokens += matched
+                self._on_revive_node(child)
+            node = child
+            pos += matched
+        return already
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Bring the host-only part of ``match`` to the device (HiCache overrides this).
+
+        Returns a longer match on success, or ``match`` unchanged (then it is recomputed).
+        """
+        return match
+
+    def _on_insert_node(self, node: TreeNode) -> None:
+        """Hook for the host tier (write-through backup)."""
+
+    def _on_revive_node(self, node: TreeNode) -> None:
+        """Hook: a host-only node got device slots again."""
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.parent is not None
+            if node.lock_ref == 0 and node.value is not None:
+                self.protected_tokens += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.parent is not None and node.lock_ref > 0
+            node.lock_ref -= 1
+            if node.lock_ref == 0 and node.value is not None:
+                self.protected_tokens -= len(node.key)
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+    def nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        return node.on_device and not any(c.on_device for c in node.children.values())
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens from unlocked leaves, LRU first."""
+        if num_tokens <= 0:
+            return 0
+        heap = [n for n in self.nodes() if n.lock_ref == 0 and self._is_device_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            node = heapq.heappop(heap)
+            parent = node.parent  # read first: deleting the node unlinks it
+            freed += self._evict_node(node)
+            if (
+                parent is not None
+                and parent is not self.root
+                and parent.lock_ref == 0
+                and self._is_device_leaf(parent)
+            ):
+                heapq.heappush(heap, parent)
+        self.evicted_device_tokens += freed
+        return freed
+
+    def _evict_node(self, node: TreeNode) -> int:
+        """Drop ``node``'s device KV; delete the node (HiCache keeps it host-only)."""
+        assert node.value is not None and node.lock_ref == 0
+        n = len(node.key)
+        self.allocator.free(node.value)
+        node.value = None
+        self.cached_tokens -= n
+        if not self._keep_on_host(node):
+            self._delete(node)
+        return n
+
+    def _keep_on_host(self, node: TreeNode) -> bool:
+        """Hook for the host tier: True keeps ``node`` as a host-only node."""
+        return False
+
+    def _delete(self, node: TreeNode) -> None:
+        assert not node.children and node.parent is not None
+        del node.parent.children[self._page_key(node.key)]
+        node.parent = None
+
+    def clear(self) -> bool:
+        """Drop every unlocked cached prefix; False if locked nodes remain."""
+        self.evict(self.cached_tokens)
+        return self.protected_tokens == 0 and self.cached_tokens == 0
