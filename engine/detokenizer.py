@@ -1,0 +1,122 @@
+"""Incremental detokenization and stop-string matching for streamed output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens decoded in front of the first output token, so that tokenizers whose
+# decoder treats the start of a sequence specially (SentencePiece strips its leading
+# space) give the first output token the spacing it has inside the whole text.
+PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never split a character.
+
+    It keeps a small window of token ids: ``[prefix_offset, read_offset)`` is text
+    already emitted, kept only as decoding context, and ``[read_offset, end)`` is not
+    emitted yet. Each ``add`` decodes the window twice (with and without the new tokens)
+    and emits the difference, so decoder rules that depend on neighbouring tokens
+    (SentencePiece's leading space, ByteLevel byte pairs) come out as in a full decode.
+
+    NOTE: while the decoded window ends in U+FFFD the tail is an incomplete UTF-8
+    sequence: nothing is emitted until a later token completes it (or ``flush``).
+    Invariant: everything before ``read_offset`` decodes to complete characters, so the
+    concatenation of all deltas plus ``flush()`` equals
+    ``decode(context + output)[len(decode(context)):]``, which for ByteLevel tokenizers
+    (GPT-2, Llama 3, SmolLM, Qwen) is ``decode(output)``. For SentencePiece tokenizers it
+    differs from ``decode(output)`` only by the first token's leading space, which is
+    kept (as vLLM and HF pipelines return it).
+    """
+
+    def __init__(
+        self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        context_text = self._decode(context)
+        if context_text.endswith(REPLACEMENT_CHAR):
+            # A context that ends inside a character would be completed by the output
+            # and shift the first delta; decode the output on its own instead.
+            context, context_text = [], ""
+        self._token_ids = context  # window: context tokens, then output tokens
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = context_text  # decode of [prefix_offset, read_offset)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        text: str = self.tokenizer.decode(
+            token_ids, skip_special_tokens=self.skip_special_tokens
+        )
+        return text
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append output tokens; return the text they complete (may be empty)."""
+        self._token_ids.extend(token_ids)
+        text = self._decode(self._token_ids[self._prefix_offset :])
+        if text.endswith(REPLACEMENT_CHAR) or len(text) <= len(self._prefix_text):
+            return ""  # incomplete character, or nothing visible yet
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """Return whatever is held back (the request has finished)."""
+        if self._read_offset == len(self._token_ids):
+            return ""
+        text = self._decode(self._token_ids[self._prefix_offset :])
+        return self._emit(text)
+
+    def _emit(self, text: str) -> str:
+        delta = text[len(self._prefix_text) :]
+        # The emitted tokens become the context of the next window.
+        del self._token_ids[: self._read_offset]
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self._prefix_text = self._decode(self._token_ids)
+        return delta
+
+
+class StopChecker:
+    """Finds stop strings in generated text and says how much text to hold back.
+
+    NOTE: streaming never emits the beginning of a stop string: ``holdback`` counts
+    the trailing characters that could still grow into a stop, and the caller emits only
+    ``text[:len(text) - holdback(text)]`` until more text (or the end) decides.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.max_stop_len = max((len(s) for s in self.stops), default=0)
+
+    def check(self, text: str, new_start: int) -> tuple[int, str] | None:
+        """Earliest stop string in ``text`` that ends after ``new_start``.
+
+        ``new_start`` is where the newest delta begins; a stop may begin up to
+        ``max_stop_len - 1`` characters before it (straddling deltas). Returns
+        ``(index where the stop starts, stop)``; between stops starting at the same
+        index the shorter one (the one completed first) wins.
+        """
+        if not self.stops:
+            return None
+        begin = max(0, new_start - self.max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            index = text.find(stop, begin)
+            if index < 0:
+                continue
+            if best is None or index < best[0] or (index == best[0] and len(stop) < len(best[1])):
+                best = (index, stop)
+        return best
+
+    def holdback(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
+        longest = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

@@ -1,0 +1,352 @@
+"""Token selection: penalties, min_tokens, greedy, temperature, top-k, top-p, min-p, seeds."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
+
+import torch
+
+from engine.request import Req, SamplingParams, TokenLogprob
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]  # [B] chosen token per row
+    logprobs: list[TokenLogprob | None]  # [B] None where the row did not ask for logprobs
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``, for one seeded request."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def min_tokens_banned(
+    params: SamplingParams, num_output: int, eos_token_ids: Collection[int]
+) -> list[int]:
+    """Token ids that may not be sampled yet because ``min_tokens`` is not reached."""
+    if num_output >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned.update(eos_token_ids)
+    return sorted(banned)
+
+
+class Sampler:
+    """Picks one token per row of a logits batch, honouring each request's SamplingParams.
+
+    Order of operations per row: repetition / presence / frequency penalties, the
+    ``min_tokens`` ban on EOS and stop token ids, then either greedy argmax or
+    temperature -> top-k -> top-p -> min-p (the order HF ``generate`` applies its
+    warpers in) followed by sampling.
+
+    NOTE: requested logprobs are ``log_softmax`` of the RAW model logits, taken before
+    penalties, the ``min_tokens`` ban and temperature (vLLM's default), so they describe
+    the model, not the sampling distribution.
+
+    NOTE: sampling turns one uniform draw per vocabulary entry into Exponential(1)
+    noise and takes ``argmax(probs / noise)``, an exact sample of ``probs``. A seeded
+    row draws only from its own ``req.generator``, always ``vocab_size`` values per
+    step, so its tokens do not depend on which other requests share the batch.
+    Unseeded rows share the sampler's generator.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = make_generator(seed, self.device)
+        # Prompt ids as a device tensor, per request (prompts never change once queued).
+        self._prompt_tensors: weakref.WeakKeyDictionary[Req, torch.Tensor] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __call__(
+        self, logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: Collection[int]
+    ) -> SamplerOutput:
+        # NOTE: columns past vocab_size (padded lm_head) can never be chosen.
+        logits = logits[:, : self.vocab_size].float()  # [B, V]
+        batch = len(reqs)
+        fast = all(
+            r.params.greedy
+            and r.params.logprobs is None
+            and not has_penalties(r.params)
+            and len(r.output_ids) >= r.params.min_tokens
+            for r in reqs
+        )
+        if fast:
+            # Fast path: one argmax over the batch, one device -> host transfer.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
+
+        raw_logits = logits
+        logits = self.apply_penalties(logits, reqs)
+        logits = self.apply_min_tokens(logits, reqs, eos_token_ids)
+
+        greedy_rows = [b for b, r in enumerate(reqs) if r.params.greedy]
+        sample_rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
+        if not sample_rows:
+            token_ids = logits.argmax(dim=-1)  # [B]
+        elif not greedy_rows:
+            token_ids = self._sample(logits, reqs)
+        else:
+            token_ids = torch.empty(batch, dtype=torch.long, device=logits.device)
+            greedy_idx = torch.tensor(greedy_rows, device=logits.device)
+            sample_idx = torch.tensor(sample_rows, device=logits.device)
+            token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+            token_ids[sample_idx] = self._sample(
+                logits[sample_idx], [reqs[b] for b in sample_rows]
+            )
+        logprobs = self._logprobs(raw_logits, token_ids, reqs)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    # -- penalties -------------------------------------------------------------------
+
+    def apply_penalties(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+        """Return logits with repetition (HF) and presence/frequency (OpenAI) penalties.
+
+        Repetition penalty covers prompt and output tokens: a positive logit is divided
+        by the penalty, a negative one multiplied. Presence and frequency penalties cover
+        output tokens only: ``logit -= presence * (count > 0) + frequency * count``.
+        The input is not modified.
+        """
+        rep_rows = [b for b, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+        freq_rows = [
+            b
+            for b, r in enumerate(reqs)
+            if r.output_ids
+            and (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)
+        ]
+        if not rep_rows and not freq_rows:
+            return logits
+        logits = logits.clone()  # [B, V]
+        device = logits.device
+        # NOTE: the updates below touch only the (row, token) pairs that occurred, O(N),
+        # never a [B, V] temporary. A pair listed twice writes the same value twice.
+        if rep_rows:
+            rows, token_ids = self._flat_token_ids(reqs, rep_rows, with_prompt=True)  # [N]
+            penalty = torch.tensor(
+                [reqs[b].params.repetition_penalty for b in range(len(reqs))], device=device
+            )[rows]  # [N]
+            values = logits[rows, token_ids]  # [N]
+            logits[rows, token_ids] = torch.where(values > 0, values / penalty, values * penalty)
+        if freq_rows:
+            rows, token_ids = self._flat_token_ids(reqs, freq_rows, with_prompt=False)  # [N]
+            coef = torch.tensor(
+                [[r.params.presence_penalty, r.params.frequency_penalty] for r in reqs],
+                device=device,
+            )[rows]  # [N, 2]
+            # Frequency: every occurrence subtracts once (accumulated).
+            logits.index_put_((rows, token_ids), -coef[:, 1], accumulate=True)
+            # Presence: once per distinct token (duplicates write one value).
+            logits[rows, token_ids] = logits[rows, token_ids] - coef[:, 0]
+        return logits
+
+    def _flat_token_ids(
+        self, reqs: Sequence[Req], rows: list[int], with_prompt: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch row, token id) of every output (and prompt) token of ``rows``, flat [N]."""
+        lengths = [len(reqs[b].output_ids) for b in rows]
+        flat_output = list(itertools.chain.from_iterable(reqs[b].output_ids for b in rows))
+        parts = [torch.tensor(flat_output, dtype=torch.long, device=self.device)]
+        row_of = list(rows)
+        if with_prompt:
+            parts.extend(self._prompt_tensor(reqs[b]) for b in rows)
+            lengths.extend(len(reqs[b].prompt_ids) for b in rows)
+            row_of.extend(rows)
+        token_ids = torch.cat(parts)  # [N]
+        runs = torch.tensor([row_of, lengths], device=self.device)  # [2, runs]
+        batch_rows = torch.repeat_interleave(runs[0], runs[1])  # [N]
+        return batch_rows, token_ids
+
+    def _prompt_tensor(self, req: Req) -> torch.Tensor:
+        cached = self._prompt_tensors.get(req)
+        if cached is None or cached.numel() != len(req.prompt_ids):
+            cached = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+            self._prompt_tensors[req] = cached
+        return cached
+
+    # -- min_tokens ------------------------------------------------------------------
+
+    def apply_min_tokens(
+        self, logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: Collection[int]
+    ) -> torch.Tensor:
+        """Set EOS and stop token logits to -inf for rows still short of ``min_tokens``."""
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for b, r in enumerate(reqs):
+            banned = min_tokens_banned(r.params, len(r.output_ids), eos_token_ids)
+            banned = [t for t in banned if 0 <= t < logits.shape[1]]
+            rows.extend([b] * len(banned))
+            token_ids.extend(banned)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        index = torch.tensor([rows, token_ids], device=logits.device)  # [2, N]
+        logits[index[0], index[1]] = float("-inf")
+        return logits
+
+    # -- sampling --------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+        """Sample one token per row of ``logits`` [S, V]; every row is non-greedy."""
+        num_rows, vocab = logits.shape
+        params = [r.params for r in reqs]
+        # One host -> device copy for all per-row knobs.
+        knobs = torch.tensor(
+            [
+                [p.temperature for p in params],
+                [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            ],
+            dtype=torch.float64,
+            device=logits.device,
+        )  # [4, S]
+        all_top_k = all(0 < p.top_k < vocab for p in params)
+        logits = filter_logits(
+            logits,
+            temperature=knobs[0].float(),
+            top_k=knobs[1].long(),
+            top_p=knobs[2].float(),
+            min_p=knobs[3].float(),
+            use_top_k_top_p=any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0.0 for p in params),
+            max_top_k=max(p.top_k for p in params) if all_top_k else None,
+        )
+        probs = logits.softmax(dim=-1)  # [S, V]
+        uniform = torch.empty_like(probs)  # [S, V]
+        unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+        if len(unseeded) == num_rows:
+            uniform.uniform_(generator=self.generator)
+        else:
+            if unseeded:
+                shared = torch.empty(len(unseeded), vocab, device=probs.device)
+                uniform[torch.tensor(unseeded, device=probs.device)] = shared.uniform_(
+                    generator=self.generator
+                )
+            for i, r in enumerate(reqs):
+                if r.generator is not None:
+                    uniform[i].uniform_(generator=r.generator)  # in place on the row view
+        # Exponential(1) noise as -log(U): U in [0, 1) gives noise in (0, inf], so
+        # probs / noise is never NaN. (Several times faster than exponential_ on CPU.)
+        noise = uniform.log_().neg_()  # [S, V]
+        return (probs / noise).argmax(dim=-1)  # [S]
+
+    # -- logprobs --------------------------------------------------------------------
+
+    def _logprobs(
+        self, raw_logits: torch.Tensor, token_ids: torch.Tensor, reqs: Sequence[Req]
+    ) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        rows = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not rows:
+            return out
+        if len(rows) < len(reqs):
+            idx = torch.tensor(rows, device=raw_logits.device)
+            raw_logits, token_ids = raw_logits[idx], token_ids[idx]  # [L, V], [L]
+        # log_softmax(x) = x - logsumexp(x): no [L, V] log-softmax is materialised.
+        log_norm = raw_logits.logsumexp(dim=-1, keepdim=True)  # [L, 1]
+        chosen = raw_logits.gather(1, token_ids.unsqueeze(1)) - log_norm  # [L, 1]
+        top_n = min(max(reqs[b].params.logprobs or 0 for b in rows), raw_logits.shape[1])
+        top_values, top_ids = raw_logits.topk(top_n, dim=-1)  # [L, top_n]
+        top_lp = top_values - log_norm  # [L, top_n]
+        chosen_list = chosen.squeeze(1).tolist()
+        top_lp_list = top_lp.tolist()
+        top_ids_list = top_ids.tolist()
+        chosen_ids = token_ids.tolist()
+        for i, b in enumerate(rows):
+            n = reqs[b].params.logprobs or 0
+            top = dict(zip(top_ids_list[i][:n], top_lp_list[i][:n], strict=True))
+            out[b] = TokenLogprob(token_id=chosen_ids[i], logprob=chosen_list[i], top=top)
+        return out
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    use_top_k_top_p: bool = True,
+    use_min_p: bool = True,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """Scale by temperature and mask (-inf) what top-k, top-p and min-p remove.
+
+    ``logits`` [S, V]; the rest [S] per row. ``top_k`` must be in [1, V] (V: disabled).
+    Top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the
+    descending distribution (after top-k) whose mass reaches ``top_p``; min-p drops
+    tokens whose probability is below ``min_p`` times the largest one. ``max_top_k``
+    (every row has ``top_k <= max_top_k``) lets top-k/top-p work on a partial sort.
+    """
+    logits = logits / temperature.unsqueeze(1)  # [S, V]
+    if use_top_k_top_p:
+        # Speed: a partial sort of the W largest where that suffices, else a full sort.
+        partial = _partial_sort(logits, top_k, top_p, max_top_k)
+        full_log_norm = None
+        if partial is not None:
+            sorted_logits, order, full_log_norm = partial  # [S, W], [S, W], [S, 1] | None
+        else:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
+        width = sorted_logits.shape[1]
+        kth = sorted_logits.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))  # [S, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        log_norm = sorted_logits.logsumexp(dim=-1, keepdim=True)  # [S, 1]
+        if full_log_norm is not None:
+            # NOTE: rows without top-k are normalised over the whole vocabulary, not
+            # over the W candidates, or top-p would cut too early.
+            log_norm = torch.where((top_k > width).unsqueeze(1), full_log_norm, log_norm)
+        sorted_probs = (sorted_logits - log_norm).exp()  # [S, W or V]
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive prefix sum
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+    if use_min_p:
+        probs = logits.softmax(dim=-1)  # [S, V]
+        floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [S, 1]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+# Candidates a CPU top-p filter examines before it falls back to a full sort.
+TOP_P_CANDIDATES = 1024
+
+
+def _partial_sort(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The W largest logits per row if top-k/top-p need no more, else None.
+
+    Returns (values [S, W], ids [S, W], log-normaliser of the whole row [S, 1] or None).
+    With every row limited by top-k, W is the largest k. On CPU, where sorting the
+    vocabulary dominates the sampler, ``TOP_P_CANDIDATES`` also suffice when each row
+    either has a top-k within them or no top-k and candidates that hold its ``top_p``
+    mass. That check costs a device sync, so GPUs always sort.
+    """
+    vocab = logits.shape[1]
+    if max_top_k is not None:
+        if max_top_k >= vocab:
+            return None
+        values, ids = logits.topk(max_top_k, dim=-1)  # [S, K]
+        return values, ids, None
+    if logits.device.type != "cpu" or vocab <= 4 * TOP_P_CANDIDATES:
+        return None
+    values, ids = logits.topk(TOP_P_CANDIDATES, dim=-1)  # [S, W]
+    log_norm = logits.logsumexp(dim=-1, keepdim=True)  # [S, 1]
+    mass = (values - log_norm).exp().sum(dim=-1)  # [S]
+    # NOTE: a small margin so rounding never moves the top-p cut past the candidates.
+    no_top_k = top_k >= vocab
+    covered = (top_k <= TOP_P_CANDIDATES) | (no_top_k & (top_p < 1.0) & (mass >= top_p + 1e-4))
+    return (values, ids, log_norm) if bool(covered.all()) else None
