@@ -6,7 +6,7 @@ import torch
 
 
 class DeviceKVPool:
-    """Per-layer K/V buffers of shape ``[num_slots, kv_heads, head_dim]``.
+    """Per-layer K/V buffers of shape ``[num_slots, kv_heads, head_dim]`` (views of one tensor).
 
     NOTE: slot 0 is a dummy target for padded writes and is never handed out by the
     allocator; usable slots are ``1 .. num_slots - 1``.
@@ -27,15 +27,14 @@ class DeviceKVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device) if isinstance(device, str) else device
-        # [num_slots, kv_heads, head_dim] per layer
-        self.k_buffers = [
-            torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(num_slots, kv_heads, head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
+        # One [2, num_layers, num_slots, kv_heads, head_dim] tensor; per-layer K and V
+        # buffers are views of it, so a host-tier copy of many slots is one gather over
+        # all layers instead of 2 x num_layers small ones.
+        self.kv_buffer = torch.zeros(
+            2, num_layers, num_slots, kv_heads, head_dim, dtype=dtype, device=self.device
+        )
+        self.k_buffers = [self.kv_buffer[0, layer] for layer in range(num_layers)]
+        self.v_buffers = [self.kv_buffer[1, layer] for layer in range(num_layers)]
 
     @property
     def bytes_per_token(self) -> int:

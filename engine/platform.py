@@ -1,0 +1,499 @@
+"""Device abstraction: device strings, backend modules, streams/events, host memory.
+
+Every device-specific call in the engine goes through here, dispatched by the bare
+device type ("musa" for "musa:0"), so that MUSA, NPU and XPU never see a CUDA-only call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ACCELERATOR_TYPES = ("cuda", "hip", "musa", "npu", "xpu", "mps")
+DEVICE_TYPES = ("cpu", *ACCELERATOR_TYPES)
+# `auto` probes these in order; ROCm reports itself as "cuda".
+AUTO_ORDER = ("cuda", "musa", "npu", "xpu", "mps")
+VALID_DEVICE_FORMS = "auto, cpu, cuda[:N], hip[:N], musa[:N], npu[:N], xpu[:N], mps (any case)"
+# Out-of-tree backends: torch.<type> exists only once their package is imported.
+_BACKEND_PACKAGES = {"musa": "torch_musa", "npu": "torch_npu"}
+
+HOST_ALLOC_METHODS = ("pin_memory", "host_register", "pageable")
+# NOTE: keyed by the bare device type, never the raw string: "musa:0" and "MUSA:1" both
+# use the "musa" entry. Types missing here get pageable memory and a warning.
+_HOST_ALLOC_BY_TYPE = {
+    "cuda": "pin_memory",
+    "hip": "pin_memory",  # host-register maps a different device address on ROCm
+    "musa": "pin_memory",
+    "npu": "pin_memory",
+    "xpu": "pin_memory",
+    "mps": "pageable",
+    "cpu": "pageable",
+}
+
+MEMINFO_PATH = "/proc/meminfo"
+CGROUP_ROOT = "/sys/fs/cgroup"
+SELF_CGROUP_PATH = "/proc/self/cgroup"
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
+
+_warned: set[str] = set()
+_import_failed: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device string: lower-case type ("musa", "cpu", "auto") and optional index."""
+
+    type: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.type in ACCELERATOR_TYPES
+
+
+def _bare_type(device: str | torch.device | DeviceSpec) -> str:
+    """Device type without index, lower-cased; accepts types this module does not know."""
+    if isinstance(device, (DeviceSpec, torch.device)):
+        return device.type
+    return device.strip().lower().split(":", 1)[0]
+
+
+def parse_device(device: str | torch.device | DeviceSpec) -> DeviceSpec:
+    """Parse a device string as text; never builds a torch.device (torch rejects "musa"
+    until torch_musa is imported)."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, torch.device):
+        text = str(device)
+    elif isinstance(device, str):
+        text = device
+    else:
+        raise ValueError(f"invalid device {device!r}; valid forms: {VALID_DEVICE_FORMS}")
+    name, sep, index_text = text.strip().lower().partition(":")
+    valid_type = name == "auto" or name in DEVICE_TYPES
+    valid_index = not sep or (index_text.isdigit() and name != "auto")
+    if not (valid_type and valid_index):
+        raise ValueError(f"invalid device {device!r}; valid forms: {VALID_DEVICE_FORMS}")
+    if name == "cpu" or not sep:
+        return DeviceSpec(name, None)
+    return DeviceSpec(name, int(index_text))
+
+
+def is_rocm() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ensure_backend_imported(device_type: str) -> None:
+    """Import the out-of-tree package (torch_musa, torch_npu) that registers the backend."""
+    kind = _bare_type(device_type)
+    package = _BACKEND_PACKAGES.get(kind)
+    if package is None or hasattr(torch, kind):
+        return
+    try:
+        importlib.import_module(package)
+    except Exception as exc:  # ImportError, or a driver/runtime error raised at import
+        raise RuntimeError(
+            f"device type {kind!r} needs the {package} package, which cannot be imported "
+            f"({exc}); install it (it ships in the vendor's PyTorch image) or use --device cpu"
+        ) from exc
+
+
+def backend_module(device_type: str) -> ModuleType | None:
+    """torch.cuda / torch.musa / torch.npu / torch.xpu / torch.mps, or None (cpu, unknown)."""
+    kind = _bare_type(device_type)
+    name = "cuda" if kind == "hip" else kind
+    if name not in ("cuda", "musa", "npu", "xpu", "mps"):
+        return None
+    if name in _BACKEND_PACKAGES and name not in _import_failed:
+        try:
+            ensure_backend_imported(name)
+        except RuntimeError:
+            _import_failed.add(name)  # probing again would rescan sys.path every call
+    return getattr(torch, name, None)
+
+
+def is_backend_available(device_type: str) -> bool:
+    """Whether the backend is installed and sees a device; never raises."""
+    try:
+        kind = _bare_type(device_type)
+        if kind == "cpu":
+            return True
+        if kind == "hip" and not is_rocm():
+            return False
+        module = backend_module(kind)
+        if module is None:
+            return False
+        return bool(module.is_available())
+    except Exception:  # a broken driver must not crash device probing
+        return False
+
+
+def _device_count(kind: str) -> int | None:
+    module = backend_module(kind)
+    try:
+        return int(module.device_count()) if module is not None else None
+    except Exception:
+        return None
+
+
+def resolve_device(device: str | torch.device | DeviceSpec) -> DeviceSpec:
+    """Parse ``device``, pick a backend for ``auto``, and check that it is usable."""
+    spec = parse_device(device)
+    if spec.type == "auto":
+        for kind in AUTO_ORDER:
+            if is_backend_available(kind):
+                return DeviceSpec(kind, None)
+        return DeviceSpec("cpu", None)
+    if spec.type == "cpu":
+        return spec
+    if spec.type == "hip":
+        if not is_rocm():
+            raise RuntimeError(
+                f"device {device!r} needs a ROCm build of torch (torch.version.hip is None); "
+                "use --device cuda on NVIDIA, or --device auto"
+            )
+        spec = DeviceSpec("cuda", spec.index)  # ROCm torch calls its devices "cuda"
+    if not is_backend_available(spec.type):
+        hint = {"musa": " (is torch_musa installed and MUSA_VISIBLE_DEVICES set?)",
+                "npu": " (is torch_npu installed?)"}.get(spec.type, "")
+        raise RuntimeError(
+            f"device {str(device)!r} was requested but the {spec.type} backend is not "
+            f"available{hint}; use --device auto to pick what is present, or --device cpu"
+        )
+    count = _device_count(spec.type)
+    if spec.index is not None and count is not None and spec.index >= count:
+        raise RuntimeError(
+            f"device {spec} does not exist: {count} {spec.type} device(s) are visible"
+        )
+    return spec
+
+
+def to_torch_device(spec: DeviceSpec) -> torch.device:
+    """The torch.device for a resolved spec (imports torch_musa/torch_npu first)."""
+    if spec.type == "auto":
+        raise ValueError("resolve_device() the 'auto' device before building a torch.device")
+    ensure_backend_imported(spec.type)
+    kind = "cuda" if spec.type == "hip" else spec.type
+    return torch.device(kind) if spec.index is None else torch.device(kind, spec.index)
+
+
+# ---------------------------------------------------------------- host allocation
+
+
+def host_alloc_method(device: str | torch.device | DeviceSpec, requested: str = "auto") -> str:
+    """How the host tier is allocated for ``device``: pin_memory, host_register or pageable.
+
+    An explicit ``host_register`` on anything but CUDA raises ValueError rather than
+    silently changing what the operator asked for.
+    """
+    if requested not in ("auto", *HOST_ALLOC_METHODS):
+        raise ValueError(
+            f"host allocation {requested!r} is not valid; choose auto, "
+            + ", ".join(HOST_ALLOC_METHODS)
+        )
+    kind = _bare_type(device)
+    if requested == "pageable":
+        return "pageable"
+    if requested == "host_register" and (kind != "cuda" or is_rocm()):
+        backend = "ROCm" if kind in ("cuda", "hip") else kind
+        raise ValueError(
+            f"--hicache-host-alloc host_register calls cudaHostRegister, which only exists "
+            f"on CUDA, but the device is {str(device)!r} ({backend}); use "
+            "--hicache-host-alloc auto (pinned through pin_memory) or pageable"
+        )
+    default = _HOST_ALLOC_BY_TYPE.get(kind)
+    if default is None:
+        _warn_once(f"unknown:{kind}", f"unknown device type {kind!r}: the host KV tier uses "
+                   "pageable memory (no pinning, slower host<->device copies)")
+        return "pageable"
+    if default == "pageable":
+        if requested != "auto":
+            _warn_once(f"nopin:{kind}", f"pinned host memory is not supported on {kind}; "
+                       "the host KV tier uses pageable memory")
+        return "pageable"
+    if not is_backend_available(kind):
+        _warn_once(f"unavailable:{kind}", f"the {kind} backend is not available, so host "
+                   "memory cannot be pinned; the host KV tier uses pageable memory")
+        return "pageable"
+    return "host_register" if requested == "host_register" else "pin_memory"
+
+
+def _cuda_rc(result: Any) -> int:
+    """cudart calls return a cudaError enum (pybind); 0 is success."""
+    return int(getattr(result, "value", result))
+
+
+@dataclass
+class HostAllocation:
+    """A host buffer plus how it was obtained; ``release()`` undoes cudaHostRegister."""
+
+    tensor: torch.Tensor
+    method: str
+    pinned: bool
+    registered_ptr: int | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Unregister host-registered memory; idempotent, a no-op for other methods."""
+        ptr, self.registered_ptr = self.registered_ptr, None
+        if ptr is None:
+            return
+        rc = _cuda_rc(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if rc != 0:
+            logger.warning("cudaHostUnregister failed with error code %d", rc)
+
+
+def alloc_host(
+    shape: Sequence[int], dtype: torch.dtype, device: str | torch.device | DeviceSpec,
+    method: str,
+) -> HostAllocation:
+    """Allocate a host tensor with ``method``; pinning failures fall back to pageable."""
+    kind = _bare_type(device)
+    size = tuple(shape)
+    if method == "pageable":
+        return HostAllocation(torch.empty(size, dtype=dtype), "pageable", False)
+    if method == "pin_memory":
+        # NOTE: pin_memory=True pins for the current accelerator (torch >= 2.3 asks the
+        # CUDA, XPU or PrivateUse1 hooks; torch_musa and torch_npu are PrivateUse1).
+        try:
+            return HostAllocation(torch.empty(size, dtype=dtype, pin_memory=True),
+                                  "pin_memory", True)
+        except Exception as exc:
+            _warn_once("pin_failed", f"pinning the host KV tier on {kind} failed ({exc}); "
+                       "using pageable memory (pinned: false)")
+            return HostAllocation(torch.empty(size, dtype=dtype), "pageable", False)
+    if method == "host_register":
+        if kind != "cuda" or is_rocm():
+            raise ValueError(f"host_register is CUDA-only; device type is {kind!r}")
+        tensor = torch.empty(size, dtype=dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            rc = _cuda_rc(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
+            reason = f"error code {rc}"
+        except Exception as exc:
+            rc, reason = -1, str(exc)
+        if rc != 0:
+            _warn_once("register_failed", f"cudaHostRegister of {nbytes / 1e9:.2f} GB failed "
+                       f"({reason}); using pageable memory (pinned: false)")
+            return HostAllocation(tensor, "pageable", False)
+        return HostAllocation(tensor, "host_register", True, registered_ptr=tensor.data_ptr())
+    raise ValueError(f"unknown host allocation method {method!r}; one of {HOST_ALLOC_METHODS}")
+
+
+# ---------------------------------------------------------------- host memory budget
+
+
+class HostMemoryError(RuntimeError):
+    """The host tier asks for more memory than the host (or its cgroup) has available."""
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _meminfo_available(path: Path) -> int | None:
+    for line in (_read_text(path) or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    return None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    for line in (_read_text(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _cgroup_dirs(root: Path, own_path: str | None) -> list[Path]:
+    """The process's cgroup directory and its ancestors up to ``root`` (those that exist)."""
+    dirs = [root]
+    if own_path:
+        current = root / own_path.lstrip("/")
+        while current != root and root in current.parents:
+            dirs.append(current)
+            current = current.parent
+    return [d for d in dirs if d.is_dir()]
+
+
+def _cgroup_headroom(root: Path, self_cgroup: Path) -> list[int]:
+    """limit - usage (reclaimable page cache excluded) of every limited cgroup level."""
+    v1_path = v2_path = None
+    for line in (_read_text(self_cgroup) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+            v2_path = parts[2]
+        elif len(parts) == 3 and "memory" in parts[1].split(","):
+            v1_path = parts[2]
+    headroom = []
+    for d in _cgroup_dirs(root, v2_path):  # cgroup v2
+        limit = (_read_text(d / "memory.max") or "max").strip()
+        if limit.isdigit():
+            used = int((_read_text(d / "memory.current") or "0").strip() or 0)
+            used -= _stat_value(d / "memory.stat", "inactive_file")
+            headroom.append(int(limit) - max(used, 0))
+    for d in _cgroup_dirs(root / "memory", v1_path):  # cgroup v1
+        limit_text = (_read_text(d / "memory.limit_in_bytes") or "").strip()
+        if limit_text.isdigit() and int(limit_text) < _UNLIMITED:
+            used = int((_read_text(d / "memory.usage_in_bytes") or "0").strip() or 0)
+            used -= _stat_value(d / "memory.stat", "total_inactive_file")
+            headroom.append(int(limit_text) - max(used, 0))
+    return headroom
+
+
+def available_host_memory(
+    meminfo: str | Path | None = None, cgroup_root: str | Path | None = None,
+    self_cgroup: str | Path | None = None,
+) -> int:
+    """Bytes this process can still allocate: min(MemAvailable, cgroup v1/v2 headroom)."""
+    known = _cgroup_headroom(Path(cgroup_root or CGROUP_ROOT),
+                             Path(self_cgroup or SELF_CGROUP_PATH))
+    mem_available = _meminfo_available(Path(meminfo or MEMINFO_PATH))
+    if mem_available is not None:
+        known.append(mem_available)
+    if not known and hasattr(os, "sysconf"):  # no /proc (macOS): free physical pages
+        with contextlib.suppress(ValueError, OSError):
+            known.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    return max(min(known), 0) if known else 1 << 62
+
+
+def check_host_memory(
+    requested_bytes: int, what: str, flag_hint: str, available: int | None = None
+) -> None:
+    """Raise HostMemoryError when ``requested_bytes`` exceed the available host memory."""
+    free = available_host_memory() if available is None else available
+    if requested_bytes > free:
+        raise HostMemoryError(
+            f"{what} needs {requested_bytes / 1e9:.2f} GB of host memory, but only "
+            f"{free / 1e9:.2f} GB is available (MemAvailable and the cgroup memory limit); "
+            f"lower {flag_hint}"
+        )
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+# MUSA compute capability of the first bf16-capable generation (S4000, QY2 = mp_22);
+# S80/S3000 report (2, 1), S5000 (3, 1).
+_MUSA_BF16_CAPABILITY = (2, 2)
+
+
+def default_dtype(spec: DeviceSpec) -> torch.dtype:
+    """The model dtype that ``auto`` means on ``spec``."""
+    kind = "cuda" if spec.type == "hip" else spec.type
+    if kind == "cuda":
+        try:
+            supported = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.3 has no including_emulation
+            supported = torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if supported else torch.float16
+    if kind == "musa":
+        module = backend_module("musa")
+        try:
+            capability = tuple(module.get_device_capability(spec.index)) if module else (0, 0)
+        except Exception:
+            capability = (0, 0)
+        return torch.bfloat16 if capability >= _MUSA_BF16_CAPABILITY else torch.float16
+    if kind in ("npu", "xpu"):
+        return torch.bfloat16
+    if kind == "mps":
+        return torch.float16
+    # NOTE: fp32 on CPU: bf16 matmul is orders of magnitude slower without AMX/AVX512-BF16.
+    return torch.float32
+
+
+def parse_dtype(name: str, spec: DeviceSpec) -> torch.dtype:
+    key = name.strip().lower()
+    if key == "auto":
+        return default_dtype(spec)
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} is not valid; choose auto, float32, float16 or "
+                         "bfloat16 (or fp32, fp16, bf16)")
+    return _DTYPE_NAMES[key]
+
+
+# ---------------------------------------------------------------- streams and events
+# These pass the device index (None: the current device), never a torch.device, so they
+# work before and regardless of how the backend registers its device type with torch.
+
+
+def synchronize(spec: DeviceSpec) -> None:
+    module = backend_module(spec.type)
+    if module is None:
+        return
+    if spec.type == "mps":
+        module.synchronize()
+    else:
+        module.synchronize(spec.index)
+
+
+def mem_get_info(spec: DeviceSpec) -> tuple[int, int] | None:
+    """(free, total) device memory in bytes; None on CPU or when the backend cannot say."""
+    module = backend_module(spec.type)
+    if module is None:
+        return None
+    if spec.type == "mps":
+        total = int(module.recommended_max_memory())
+        return total - int(module.current_allocated_memory()), total
+    if not hasattr(module, "mem_get_info"):
+        return None
+    free, total = module.mem_get_info(spec.index)
+    return int(free), int(total)
+
+
+def new_stream(spec: DeviceSpec) -> Any | None:
+    """A new side stream on ``spec``; None where there are no user streams (cpu, mps)."""
+    module = backend_module(spec.type)
+    if module is None or spec.type == "mps" or not hasattr(module, "Stream"):
+        return None
+    return module.Stream(device=spec.index)
+
+
+def new_event(spec: DeviceSpec) -> Any | None:
+    module = backend_module(spec.type)
+    if module is None or not hasattr(module, "Event"):
+        return None
+    return module.Event()
+
+
+def current_stream(spec: DeviceSpec) -> Any | None:
+    module = backend_module(spec.type)
+    if module is None or spec.type == "mps":
+        return None
+    return module.current_stream(spec.index)
+
+
+def stream_context(spec: DeviceSpec, stream: Any | None) -> Any:
+    """Context manager that makes ``stream`` current (a no-op for None)."""
+    module = backend_module(spec.type)
+    if module is None or stream is None:
+        return contextlib.nullcontext()
+    return module.stream(stream)
