@@ -1,0 +1,303 @@
+"""``python -m bench`` / ``hiserve-bench``: load tests of OpenAI-compatible servers.
+
+    python -m bench run --base-url http://127.0.0.1:8000 --workload multiturn --json out.json
+    python -m bench compare --target radix --target hicache --kv-cache-tokens 2048 --plot out.png
+
+``run`` may be left out: ``python -m bench --base-url ...`` means ``run``.
+Exit status: 0 when every request succeeded, 1 when any failed or a run stopped early
+(partial results are still printed and written), 2 for bad arguments, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from bench.client import normalize_base_url
+from bench.compare import SERVER_CONFIGS, LaunchOptions, parse_target, run_compare
+from bench.report import build_report, format_table, write_json, write_plot
+from bench.runner import RunOptions, RunState, run_blocking
+from bench.workloads import WORKLOADS, Workload, WorkloadConfig, generate
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    defaults = WorkloadConfig()
+    w = parser.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default=defaults.workload)
+    w.add_argument("--seed", type=int, default=defaults.seed)
+    w.add_argument(
+        "--output-len",
+        type=int,
+        default=defaults.output_len,
+        help="max_tokens of every request (sent with ignore_eos)",
+    )
+    w.add_argument(
+        "--range-ratio",
+        type=float,
+        default=defaults.range_ratio,
+        help="lengths are drawn from [L*ratio, L]; 1.0: fixed lengths",
+    )
+    w.add_argument(
+        "--vocab-range",
+        type=int,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        default=(defaults.vocab_low, defaults.vocab_high),
+        help="token ids of the synthetic prompts are drawn from [LOW, HIGH)",
+    )
+    w.add_argument("--num-clients", type=int, default=defaults.num_clients)
+    w.add_argument("--num-rounds", type=int, default=defaults.num_rounds)
+    w.add_argument("--system-prompt-len", type=int, default=defaults.system_prompt_len)
+    w.add_argument("--user-turn-len", type=int, default=defaults.user_turn_len)
+    w.add_argument(
+        "--assistant-turn-len",
+        type=int,
+        default=defaults.assistant_turn_len,
+        help="synthetic assistant turn appended to the history after each round",
+    )
+    w.add_argument("--num-groups", type=int, default=defaults.num_groups)
+    w.add_argument("--prompts-per-group", type=int, default=defaults.prompts_per_group)
+    w.add_argument("--shared-prefix-len", type=int, default=defaults.shared_prefix_len)
+    w.add_argument("--suffix-len", type=int, default=defaults.suffix_len)
+    w.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
+    w.add_argument("--input-len", type=int, default=defaults.input_len)
+    t = parser.add_argument_group("traffic")
+    t.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second; default inf: no pacing",
+    )
+    t.add_argument("--max-concurrency", type=int, default=None)
+    t.add_argument("--api-key", default=None)
+    t.add_argument(
+        "--served-model-name",
+        default=None,
+        help="`model` field of the requests; default: the target's first model",
+    )
+    t.add_argument("--request-timeout", type=float, default=600.0)
+    t.add_argument(
+        "--max-retries",
+        type=int,
+        default=3,
+        help="retries of a request answered 503/429 or refused, with backoff",
+    )
+    t.add_argument(
+        "--retry-backoff",
+        type=float,
+        default=0.5,
+        help="first retry delay in seconds; doubles each retry",
+    )
+    t.add_argument(
+        "--no-flush", action="store_true", help="do not call /flush_cache before each run"
+    )
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    o.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot here")
+    o.add_argument("--no-progress", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hiserve-bench",
+        description="Load-test OpenAI-compatible servers: cache-hit "
+        "rate (achieved vs ideal), TTFT, inter-token latency and throughput.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="one workload against one server URL")
+    run.add_argument("--base-url", default="http://127.0.0.1:8000")
+    run.add_argument("--label", default=None, help="column name in the table")
+    _add_common(run)
+    compare = sub.add_parser("compare", help="one workload against several targets")
+    compare.add_argument(
+        "--target",
+        dest="targets",
+        action="append",
+        required=True,
+        help=f"a URL, or a server config to launch: {', '.join(SERVER_CONFIGS)}; "
+        "optionally as LABEL=VALUE; repeat for each column",
+    )
+    launch = compare.add_argument_group("launched servers")
+    launch.add_argument("--model", default="default")
+    launch.add_argument("--device", default="cpu")
+    launch.add_argument("--dtype", default="float32")
+    launch.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="device KV pool; make it smaller than the working set",
+    )
+    launch.add_argument("--hicache-ratio", type=float, default=None)
+    launch.add_argument(
+        "--server-arg",
+        dest="server_args",
+        action="append",
+        default=[],
+        help="extra flag for launched servers (repeat; use --server-arg=--x)",
+    )
+    launch.add_argument("--startup-timeout", type=float, default=300.0)
+    _add_common(compare)
+    return parser
+
+
+def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(
+        workload=args.workload,
+        seed=args.seed,
+        vocab_low=args.vocab_range[0],
+        vocab_high=args.vocab_range[1],
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        num_clients=args.num_clients,
+        num_rounds=args.num_rounds,
+        system_prompt_len=args.system_prompt_len,
+        user_turn_len=args.user_turn_len,
+        assistant_turn_len=args.assistant_turn_len,
+        num_groups=args.num_groups,
+        prompts_per_group=args.prompts_per_group,
+        shared_prefix_len=args.shared_prefix_len,
+        suffix_len=args.suffix_len,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+    )
+
+
+def _error(message: str) -> None:
+    print(f"hiserve-bench: error: {message}", file=sys.stderr, flush=True)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _finish(
+    args: argparse.Namespace,
+    states: Sequence[RunState],
+    workload: Workload,
+    options: RunOptions,
+    interrupted: bool,
+) -> int:
+    """Print the table and write JSON/plot from whatever completed; pick the exit status."""
+    reports = [build_report(state, workload, options) for state in states]
+    if not reports:
+        return EXIT_INTERRUPTED if interrupted else EXIT_FAILED
+    print(format_table(reports), flush=True)
+    if args.json_path:
+        payload: dict[str, Any] = (
+            dict(reports[0])
+            if args.command == "run"
+            else {"workload": workload.config.to_dict(), "targets": reports}
+        )
+        payload["partial"] = interrupted or any(
+            r["aborted"] or r["failed"] or r["not_sent"] for r in reports
+        )
+        write_json(args.json_path, payload)
+        print(f"results written to {args.json_path}", flush=True)
+    if args.plot_path:
+        try:
+            write_plot(args.plot_path, reports)
+            print(f"plot written to {args.plot_path}", flush=True)
+        except (ImportError, OSError) as exc:
+            _error(
+                f"could not write the plot ({exc}); install matplotlib (pip install "
+                "'hiserve[bench]') or choose another --plot path"
+            )
+    status = EXIT_OK
+    for report in reports:
+        if report["aborted"]:
+            _error(f"[{report['label']}] stopped early: {report['aborted']}")
+            status = EXIT_FAILED
+        elif report["failed"] or report["not_sent"]:
+            first = report["errors"][0]["message"] if report["errors"] else "unknown error"
+            _error(
+                f"[{report['label']}] {report['failed']} of {report['total_requests']} "
+                f"requests failed; first error: {first}"
+            )
+            status = EXIT_FAILED
+        if report["cache_flushed"] is False:
+            print(
+                f"note: [{report['label']}] has no /flush_cache; runs may warm each other",
+                file=sys.stderr,
+            )
+    return EXIT_INTERRUPTED if interrupted else status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in ("run", "compare", "-h", "--help"):
+        argv.insert(0, "run")
+    args = build_parser().parse_args(argv)
+    try:
+        workload = generate(_workload_config(args))
+        options = RunOptions(
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            flush_cache=not args.no_flush,
+            progress=not args.no_progress,
+            seed=args.seed,
+        )
+        targets = [parse_target(t) for t in args.targets] if args.command == "compare" else []
+        if args.command == "run":
+            normalize_base_url(args.base_url)  # raises on a malformed URL
+    except ValueError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    client_kwargs = dict(
+        model=args.served_model_name,
+        api_key=args.api_key,
+        timeout=args.request_timeout,
+        max_retries=args.max_retries,
+        retry_backoff=args.retry_backoff,
+    )
+    total = len(workload.requests)
+
+    def run_one(state: RunState) -> None:
+        run_blocking(state, workload, options, **client_kwargs)
+
+    states: list[RunState] = []
+    interrupted = False
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        if args.command == "run":
+            states.append(RunState(args.label or args.base_url, args.base_url, total))
+            run_one(states[0])
+        else:
+            launch = LaunchOptions(
+                model=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                kv_cache_tokens=args.kv_cache_tokens,
+                hicache_ratio=args.hicache_ratio,
+                api_key=args.api_key,
+                extra_args=tuple(args.server_args),
+                startup_timeout=args.startup_timeout,
+            )
+            run_compare(
+                targets,
+                launch,
+                run_one,
+                states,
+                total,
+                log=lambda msg: print(msg, file=sys.stderr, flush=True),
+            )
+    except KeyboardInterrupt:
+        interrupted = True
+        _error("interrupted; writing what completed so far")
+    except Exception as exc:  # a bug or an unexpected environment: report it, keep results
+        _error(f"unexpected {type(exc).__name__}: {exc}")
+        if states and states[-1].aborted is None:
+            states[-1].aborted = f"{type(exc).__name__}: {exc}"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return _finish(args, states, workload, options, interrupted)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Async streaming client for an OpenAI-compatible ``/v1/completions`` endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from bench.workloads import BenchRequest
+
+# error_kind values; "auth" and "connect" mean no later request can succeed either.
+FATAL_ERRORS = ("auth", "connect")
+
+
+class TargetError(Exception):
+    """The target cannot be used at all (unreachable, or it rejects our key)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class RequestResult:
+    """What one request measured; times are seconds, ``send_time`` is perf_counter()."""
+
+    index: int
+    conversation: int
+    round: int
+    prompt_len: int  # tokens the client sent
+    ok: bool = False
+    error: str | None = None
+    error_kind: str | None = None
+    retries: int = 0
+    send_time: float = 0.0  # start of the last attempt
+    ttft: float | None = None
+    e2e_latency: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    prompt_tokens: int = 0  # as the server counted them (usage), else prompt_len
+    output_tokens: int = 0
+    cached_tokens: int | None = None
+    cached_tokens_device: int | None = None  # per-tier split, where the server gives it
+    cached_tokens_host: int | None = None
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` all name the same server."""
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"target URL {url!r} must start with http:// or https://")
+    return url
+
+
+def _body_snippet(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+        error = data.get("error", data) if isinstance(data, dict) else data
+        message = error.get("message", error) if isinstance(error, dict) else error
+        return str(message)[:200]
+    except (ValueError, UnicodeDecodeError):
+        return response.text[:200]
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date; fall back to our own backoff
+
+
+class CompletionClient:
+    """Sends workload requests to one target and measures them; one per target."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff: float = 0.5,
+        max_retry_wait: float = 30.0,
+        temperature: float = 0.0,
+    ) -> None:
+        self.base_url = normalize_base_url(base_url)
+        self.model = model
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.max_retry_wait = max_retry_wait
+        self.temperature = temperature
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def probe(self) -> list[str]:
+        """Check the target answers and accepts our key; return its model ids."""
+        try:
+            response = await self._http.get("/v1/models", timeout=15.0)
+        except httpx.TransportError as exc:
+            raise TargetError(
+                "connect",
+                f"cannot reach {self.base_url} ({type(exc).__name__}: {exc or 'no detail'}); "
+                "is the server running and the URL right?",
+            ) from exc
+        if response.status_code in (401, 403):
+            raise TargetError("auth", self._auth_message(response))
+        if response.status_code != 200:
+            return []  # not every server lists models; the completions will tell
+        try:
+            return [str(m["id"]) for m in response.json().get("data", [])]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return []
+
+    async def flush_cache(self) -> bool:
+        """Empty the target's prefix cache; False where it has no ``/flush_cache``."""
+        methods = ["POST", "GET"]
+        for _attempt in range(20):
+            try:
+                response = await self._http.request(methods[0], "/flush_cache", timeout=60.0)
+            except httpx.TransportError:
+                return False
+            if response.status_code == 405 and len(methods) > 1:
+                methods.pop(0)  # older servers flush on GET
+                continue
+            if response.status_code in (401, 403):
+                raise TargetError("auth", self._auth_message(response))
+            if response.status_code in (409, 503):  # still busy with earlier requests
+                await asyncio.sleep(0.5)
+                continue
+            return response.status_code == 200
+        return False
+
+    def _auth_message(self, response: httpx.Response) -> str:
+        return (
+            f"{self.base_url} rejected the request with HTTP {response.status_code} "
+            f"({_body_snippet(response)}); pass the server's key with --api-key"
+        )
+
+    def _payload(self, request: BenchRequest) -> dict[str, Any]:
+        return {
+            "model": self.model or "default",
+            "prompt": request.prompt,
+            "max_tokens": request.max_tokens,
+            "temperature": self.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    async def complete(self, request: BenchRequest) -> RequestResult:
+        """Send one request, retrying 503/429 and refused connections with backoff."""
+        result = RequestResult(
+            request.index, request.conversation, request.round, len(request.prompt)
+        )
+        payload = self._payload(request)
+        for attempt in range(self.max_retries + 1):
+            result.retries = attempt
+            wait = await self._attempt(payload, result)
+            if wait is None or attempt == self.max_retries:
+                break
+            await asyncio.sleep(min(self.max_retry_wait, wait))
+        if not result.ok and result.error_kind == "overloaded":
+            result.error = f"{result.error} (gave up after {self.max_retries} retries)"
+        return result
+
+    async def _attempt(self, payload: dict[str, Any], result: RequestResult) -> float | None:
+        """One try; returns how long to wait before retrying, or None when done."""
+        backoff = self.retry_backoff * (2**result.retries)
+        result.ok, result.error, result.error_kind = False, None, None
+        result.itl, result.ttft = [], None
+        start = result.send_time = time.perf_counter()
+        try:
+            async with self._http.stream("POST", "/v1/completions", json=payload) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    return self._http_error(response, result, backoff)
+                await self._read_stream(response, result, start)
+        except httpx.ConnectError as exc:
+            result.error_kind = "connect"
+            result.error = f"cannot connect to {self.base_url}: {exc or type(exc).__name__}"
+            return backoff
+        except httpx.TimeoutException as exc:
+            result.error_kind = "timeout"
+            result.error = f"timed out waiting for {self.base_url} ({type(exc).__name__})"
+            return None
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            result.error_kind = "protocol"
+            result.error = (
+                f"connection to {self.base_url} broke mid-response "
+                f"({type(exc).__name__}: {exc or 'no detail'})"
+            )
+            return None
+        return None
+
+    def _http_error(
+        self, response: httpx.Response, result: RequestResult, backoff: float
+    ) -> float | None:
+        status = response.status_code
+        if status in (401, 403):
+            result.error_kind, result.error = "auth", self._auth_message(response)
+            return None
+        if status in (429, 503):
+            result.error_kind = "overloaded"
+            result.error = f"server overloaded (HTTP {status}: {_body_snippet(response)})"
+            retry_after = _retry_after(response)
+            return max(backoff, retry_after) if retry_after is not None else backoff
+        result.error_kind = "http"
+        result.error = f"HTTP {status} from /v1/completions: {_body_snippet(response)}"
+        return None
+
+    async def _read_stream(
+        self, response: httpx.Response, result: RequestResult, start: float
+    ) -> None:
+        last_chunk: float | None = None
+        chunks = 0
+        usage: dict[str, Any] | None = None
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                break
+            try:
+                event = json.loads(data)
+            except ValueError:
+                result.error_kind = "protocol"
+                result.error = f"unparseable stream event from the server: {data[:120]!r}"
+                return
+            if event.get("error"):
+                error = event["error"]
+                result.error_kind = "http"
+                result.error = str(
+                    error.get("message", error) if isinstance(error, dict) else error
+                )[:200]
+                return
+            now = time.perf_counter()
+            if event.get("choices"):
+                # NOTE: a chunk counts as a token event even with empty text: a token that
+                # ends inside a UTF-8 character streams no text of its own.
+                chunks += 1
+                if last_chunk is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last_chunk)
+                last_chunk = now
+            if event.get("usage"):
+                usage = event["usage"]
+        end = time.perf_counter()
+        if last_chunk is None:
+            result.error_kind = "protocol"
+            result.error = "the stream ended without any token"
+            return
+        result.e2e_latency = end - start
+        result.prompt_tokens = result.prompt_len
+        result.output_tokens = chunks
+        if usage is not None:
+            _apply_usage(result, usage)
+        result.ok = True
+
+
+def _apply_usage(result: RequestResult, usage: dict[str, Any]) -> None:
+    result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_len)
+    result.output_tokens = int(usage.get("completion_tokens") or result.output_tokens)
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        result.cached_tokens = int(details["cached_tokens"])
+    for tier in ("device", "host"):
+        value = details.get(f"cached_tokens_{tier}")
+        if value is not None:
+            setattr(result, f"cached_tokens_{tier}", int(value))
