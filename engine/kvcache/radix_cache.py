@@ -24,8 +24,8 @@ class TreeNode:
 
     __slots__ = (
         "children",
-        "host_value",
         "hit_count",
+        "host_value",
         "id",
         "key",
         "last_access",
@@ -264,12 +264,16 @@ class RadixCache:
         """Drop ``node``'s device KV; delete the node (HiCache keeps it host-only)."""
         assert node.value is not None and node.lock_ref == 0
         n = len(node.key)
+        self._before_device_evict(node)
         self.allocator.free(node.value)
         node.value = None
         self.cached_tokens -= n
         if not self._keep_on_host(node):
             self._delete(node)
         return n
+
+    def _before_device_evict(self, node: TreeNode) -> None:
+        """Hook for the host tier (write-back backup while the device copy still exists)."""
 
     def _keep_on_host(self, node: TreeNode) -> bool:
         """Hook for the host tier: True keeps ``node`` as a host-only node."""

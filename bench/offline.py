@@ -1,0 +1,121 @@
+"""Offline throughput: hiserve's Engine against HF ``generate`` on the same model and prompts.
+
+    python -m bench.offline [--model default] [--num-requests 32] [--skip-hf]
+
+Prints output tokens/s for a batch of requests with varied prompt and output lengths
+(HF runs them as one left-padded batch to the longest output and is credited only with
+the tokens that were asked for), single-stream tokens/s for both, and the engine's own
+per-step overhead (everything in a step that is not the model forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+
+
+def make_workload(n: int, seed: int, vocab: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(*vocab) for _ in range(rng.randrange(16, 256))] for _ in range(n)]
+    out_lens = [rng.randrange(16, 129) for _ in range(n)]
+    return prompts, out_lens
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> float:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
+    engine.flush_cache()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outs] == out_lens
+    return sum(out_lens) / elapsed
+
+
+def run_hf(model: Any, prompts: list[list[int]], out_lens: list[int],
+           pad_id: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(out_lens),
+                       min_new_tokens=max(out_lens), do_sample=False, pad_token_id=pad_id)
+    return sum(out_lens) / (time.perf_counter() - start)
+
+
+def step_overhead(engine: Engine, prompts: list[list[int]], steps: int = 40) -> tuple[float, float]:
+    """Mean step time and the part of it spent outside the model forward (decode steps)."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while any(r.kv_len < r.seq_len - 1 or not r.output_ids for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    forward_time = 0.0
+    original = engine.model.forward
+
+    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal forward_time
+        t = time.perf_counter()
+        result = original(*args, **kwargs)
+        forward_time += time.perf_counter() - t
+        return result
+
+    engine.model.forward = timed_forward  # type: ignore[method-assign]
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - start
+    engine.model.forward = original  # type: ignore[method-assign]
+    while engine.has_work:
+        engine.step()
+    return total / steps, (total - forward_time) / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--single-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="only measure the engine")
+    args = parser.parse_args(argv)
+
+    torch.set_grad_enabled(False)
+    engine = Engine(EngineConfig(model=args.model, device="cpu", dtype="float32",
+                                 kv_cache_tokens=32768, max_running_requests=64,
+                                 enable_prefix_cache=False))
+    prompts, out_lens = make_workload(args.num_requests, args.seed, (100, 40000))
+    run_engine(engine, prompts[:2], [4, 4])  # warm-up
+    engine_batch = run_engine(engine, prompts, out_lens)
+    engine_single = run_engine(engine, prompts[:1], [args.single_tokens])
+    step_s, overhead_s = step_overhead(engine, prompts)
+    print(f"engine  batch of {args.num_requests}: {engine_batch:8.1f} output tok/s")
+    print(f"engine  single stream:   {engine_single:8.1f} output tok/s")
+    print(f"engine  decode step at {args.num_requests} running: {step_s * 1e3:.1f} ms, "
+          f"of which outside the forward {overhead_s * 1e3:.2f} ms "
+          f"({100 * overhead_s / step_s:.1f}%)")
+    if args.skip_hf:
+        return
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+    pad = engine.tokenizer.pad_token_id or 0
+    hf_batch = run_hf(hf, prompts, out_lens, pad)
+    hf_single = run_hf(hf, prompts[:1], [args.single_tokens], pad)
+    print(f"HF      batch of {args.num_requests}: {hf_batch:8.1f} output tok/s")
+    print(f"HF      single stream:   {hf_single:8.1f} output tok/s")
+    print(f"ratio   batch {engine_batch / hf_batch:.2f}x, single {engine_single / hf_single:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

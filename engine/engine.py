@@ -1,0 +1,297 @@
+"""Engine: add_request / step / abort over the scheduler, model runner and KV cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import loader, platform
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.kv_setup import KVSetup, build_kv
+from engine.model_runner import ModelRunner
+from engine.outputs import make_output
+from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
+from engine.sampler import Sampler, make_generator
+from engine.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger("hiserve.engine")
+
+PromptType = str | list[int]
+
+
+class Engine:
+    """Synchronous engine; one thread drives ``step()`` (see ``AsyncEngine`` for serving)."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
+        if config is None:
+            config = EngineConfig(**overrides)  # type: ignore[arg-type]
+        self.config = config
+        self.device_spec = platform.resolve_device(config.device)
+        self.device = platform.to_torch_device(self.device_spec)
+        self.dtype = platform.parse_dtype(config.dtype, self.device_spec)
+        torch.manual_seed(config.seed)
+
+        self.model_path: Path = loader.resolve_model_path(config.model, config.cache_dir)
+        self.hf_config = loader.load_hf_config(self.model_path)
+        self.tokenizer = loader.load_tokenizer(self.model_path)
+        self.model = loader.load_model(self.model_path, self.device, self.dtype)
+        self.vocab_size: int = self.hf_config.vocab_size
+        context: Any = config.max_model_len or getattr(
+            self.hf_config, "max_position_embeddings", 2048)
+        self.max_model_len = int(context)
+        self.served_model_name = config.served_model_name or self.model_path.name
+        self.eos_token_ids = self._eos_ids()
+
+        self.kv: KVSetup = build_kv(config, self.hf_config, self.device_spec, self.device,
+                                    self.dtype, self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv.manager, self.max_model_len)
+        self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
+        self.runner = ModelRunner(self.model, self.kv.device_pool, self.kv.req_table,
+                                  self.sampler, self.device, self.eos_token_ids)
+        self.requests: dict[str, Req] = {}
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("prompt_tokens_total", "generation_tokens_total", "cached_tokens_device_total",
+             "cached_tokens_host_total", "requests_finished_total"), 0)
+        self.check_invariants = False  # tests turn this on: accounting checked every step
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d "
+            "max_model_len=%d", self.model_path, self.device_spec, str(self.dtype)[6:],
+            self.kv.manager.capacity, config.page_size, self.max_model_len,
+        )
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        return ids
+
+    # ------------------------------------------------------------------ input
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field at fault."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty; send at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context length is "
+                f"{self.max_model_len}, which must also leave room for at least one output token"
+            )
+        if len(prompt_ids) + 1 > self.kv.manager.capacity:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the KV pool holds only "
+                f"{self.kv.manager.capacity}; raise --kv-cache-tokens"
+            )
+        params.validate(self.vocab_size, self.config.max_stop_strings)
+
+    def add_request(
+        self, prompt: PromptType, params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Req(request_id, prompt_ids, params)
+        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        if params.seed is not None:
+            req.generator = make_generator(params.seed, self.device)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; its KV is released at once."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        return make_output(req, finished=True)
+
+    # ------------------------------------------------------------------ loop
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, and return what changed for each request."""
+        outputs: list[RequestOutput] = []
+        for req in self.scheduler.out_of_memory:
+            self._finish(req, FinishReason.LENGTH)
+            outputs.append(make_output(req, finished=True))
+        self.scheduler.out_of_memory.clear()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        started = time.perf_counter()
+        result = self.runner.run(batch)
+        if result is not None:
+            outputs.extend(self._postprocess(batch, result.token_ids, result.logprobs))
+        if not batch.is_decode:
+            self._log_prefill(batch, time.perf_counter() - started)
+        if self.check_invariants:
+            self.kv.manager.check_invariants(self.scheduler.running)
+        return outputs
+
+    def _postprocess(self, batch: ScheduledBatch, tokens: list[int],
+                     logprobs: Sequence[object]) -> list[RequestOutput]:
+        outputs = []
+        sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        now = time.monotonic()
+        for req, token, lp in zip(sampling, tokens, logprobs):
+            if req.finished:
+                continue
+            if not req.output_ids and req.num_retractions == 0:
+                self._count_prompt(req)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.output_ids.append(token)
+            self.counters["generation_tokens_total"] += 1
+            if lp is not None:
+                req.logprobs.append(lp)  # type: ignore[arg-type]
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(make_output(req, finished=req.finished))
+        return outputs
+
+    def _check_stop(self, req: Req, token: int) -> FinishReason | None:
+        params = req.params
+        n_out = len(req.output_ids)
+        past_min = n_out >= params.min_tokens
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if past_min and token in params.stop_token_ids:
+            req.stop_reason = token
+            return FinishReason.STOP
+        assert req.detok is not None
+        delta = req.detok.add([token])
+        if delta:
+            start = len(req.text)
+            req.text += delta
+            if params.stop and past_min:
+                if req.stop_checker is None:
+                    req.stop_checker = StopChecker(params.stop)
+                hit = req.stop_checker.check(req.text, start)
+                if hit is not None:
+                    req.text = req.text[: hit[0]]
+                    req.stop_reason = hit[1]
+                    return FinishReason.STOP
+        if n_out >= params.max_tokens or req.seq_len >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        # A matched stop string already cut the text; otherwise emit what was held back.
+        if req.detok is not None and not isinstance(req.stop_reason, str):
+            start = len(req.text)
+            req.text += req.detok.flush()
+            if req.params.stop and len(req.text) > start:
+                hit = StopChecker(req.params.stop).check(req.text, start)
+                if hit is not None:
+                    req.text, req.stop_reason = req.text[: hit[0]], hit[1]
+                    reason = FinishReason.STOP
+        req.finish_reason = reason
+        if req.status != ReqStatus.FINISHED:
+            self.scheduler.remove(req)
+        req.status = ReqStatus.FINISHED
+        self.requests.pop(req.request_id, None)
+        self.counters["requests_finished_total"] += 1
+
+    def _count_prompt(self, req: Req) -> None:
+        self.counters["prompt_tokens_total"] += len(req.prompt_ids)
+        self.counters["cached_tokens_device_total"] += req.cached_device
+        self.counters["cached_tokens_host_total"] += req.cached_host
+
+    def _log_prefill(self, batch: ScheduledBatch, seconds: float) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        new = batch.num_tokens
+        logger.info(
+            "prefill batch: %d reqs, %d new tokens, cached %d device / %d host, "
+            "running %d, waiting %d, %.0f tok/s",
+            len(batch.reqs), new, sum(r.cached_device for r in batch.reqs),
+            sum(r.cached_host for r in batch.reqs), len(self.scheduler.running),
+            len(self.scheduler.waiting), new / max(seconds, 1e-9),
+        )
+
+    # ------------------------------------------------------------------ offline
+    def generate(
+        self, prompts: Sequence[PromptType],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion together; outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams() for _ in prompts]
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
+                )
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # ------------------------------------------------------------------ admin
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are running."""
+        if self.scheduler.running:
+            return False
+        return self.kv.flush()
+
+    def stats(self) -> dict[str, float]:
+        manager = self.kv.manager
+        running = self.scheduler.running
+        stats: dict[str, float] = {
+            "kv_total": manager.capacity,
+            "kv_free": manager.allocator.free_tokens,
+            "kv_used": sum(manager.owned_tokens(r) for r in running),
+            "kv_cached": manager.tree.cached_tokens,
+            "running": len(running),
+            "waiting": len(self.scheduler.waiting),
+            "retractions_total": self.scheduler.num_retractions,
+            "evicted_device_tokens_total": manager.tree.evicted_device_tokens,
+        }
+        stats.update(self.counters)
+        stats.update(self.kv.host_stats())
+        return stats
+
+    def health(self) -> dict[str, object]:
+        return {
+            "model": self.served_model_name,
+            "model_path": str(self.model_path),
+            "device": str(self.device_spec),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "max_model_len": self.max_model_len,
+            "kv_total_tokens": self.kv.manager.capacity,
+            "page_size": self.config.page_size,
+            **self.kv.host_health(),
+        }
+
+    def close(self) -> None:
+        self.kv.close()

@@ -1,0 +1,241 @@
+"""HiCache: one radix tree over the device pool and the host tier."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import Any
+
+import torch
+
+from engine import platform
+from engine.config import EngineConfig
+from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.kvcache.host_pool import HostKVPool
+from engine.kvcache.radix_cache import MatchResult, RadixCache, TreeNode
+from engine.kvcache.transfer import KVTransfer
+
+logger = logging.getLogger("hiserve.hicache")
+
+
+class HiRadixCache(RadixCache):
+    """Radix cache whose nodes may also (or only) live in host memory.
+
+    NOTE: host slots are held only by tree nodes: ``host_free + host_cached ==
+    host capacity``. Device eviction turns a backed-up leaf into a host-only node (else
+    deletes it); host eviction removes only host-only leaves. Device-resident nodes form
+    a subtree hanging from the root, host-only nodes hang below it. A node whose backup
+    is in flight is locked until the copy completes.
+    """
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        write_policy: str = "write_through",
+        load_threshold: int = 16,
+    ) -> None:
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.transfer = KVTransfer(device_pool, host_pool)
+        self.write_policy = write_policy
+        self.load_threshold = load_threshold
+        self.token_bytes = device_pool.bytes_per_token
+        self._pending: list[tuple[Any, TreeNode]] = []  # (transfer handle, locked node)
+        self.host_cached_tokens = 0
+        self.counters = dict.fromkeys(
+            ("evicted_host_tokens_total", "backup_tokens_total", "backup_bytes_total",
+             "loadback_tokens_total", "loadback_bytes_total"), 0)
+        super().__init__(allocator, enabled=True)
+
+    def reset(self) -> None:
+        super().reset()
+        self.host_cached_tokens = 0
+
+    # ------------------------------------------------------------------ backup
+    def _backup(self, node: TreeNode, wait: bool = False) -> bool:
+        """Copy ``node``'s device KV to fresh host slots; False if the host tier is full."""
+        if node.host_value is not None or node.value is None:
+            return node.host_value is not None
+        n = len(node.key)
+        host_slots = self.host_pool.alloc(n)
+        if host_slots is None:
+            self.evict_host(n)
+            host_slots = self.host_pool.alloc(n)
+            if host_slots is None:
+                return False
+        host_slots = host_slots[:n]
+        handle = self.transfer.backup_async(node.value, host_slots)
+        node.host_value = host_slots
+        self.host_cached_tokens += n
+        self.counters["backup_tokens_total"] += n
+        self.counters["backup_bytes_total"] += n * self.token_bytes
+        if wait:
+            handle.wait()
+        elif not handle.done():
+            self.lock(node)  # the device copy must outlive the transfer
+            self._pending.append((handle, node))
+        return True
+
+    def poll(self) -> None:
+        """Unlock nodes whose backup finished (never blocks)."""
+        still: list[tuple[Any, TreeNode]] = []
+        for handle, node in self._pending:
+            if handle.done():
+                self.unlock(node)
+            else:
+                still.append((handle, node))
+        self._pending = still
+
+    def _on_insert_node(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._backup(node)
+
+    def _on_revive_node(self, node: TreeNode) -> None:
+        self._on_insert_node(node)
+
+    def match_prefix(self, key: list[int], touch: bool = True) -> MatchResult:
+        self.poll()
+        match = super().match_prefix(key, touch)
+        if touch and self.write_policy == "write_through_selective":
+            node = match.device_node
+            while node is not self.root:
+                if node.hit_count >= 2 and node.host_value is None:
+                    self._backup(node)
+                assert node.parent is not None
+                node = node.parent
+        return match
+
+    # ------------------------------------------------------------------ eviction
+    def _before_device_evict(self, node: TreeNode) -> None:
+        if self.write_policy == "write_back":
+            # Its device slots are freed right after this: the copy must be complete.
+            self._backup(node, wait=True)
+
+    def _keep_on_host(self, node: TreeNode) -> bool:
+        return node.host_value is not None
+
+    def _delete(self, node: TreeNode) -> None:
+        # A deleted node takes its host-only descendants with it.
+        for child in list(node.children.values()):
+            self._drop_host_subtree(child)
+        node.children.clear()
+        self._free_host(node)
+        super()._delete(node)
+
+    def _drop_host_subtree(self, node: TreeNode) -> None:
+        assert node.value is None, "device nodes never hang below a deleted node"
+        for child in node.children.values():
+            self._drop_host_subtree(child)
+        self._free_host(node)
+
+    def _free_host(self, node: TreeNode) -> None:
+        if node.host_value is not None:
+            self.host_pool.free(node.host_value)
+            self.host_cached_tokens -= len(node.key)
+            node.host_value = None
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host slots of host-only leaves, LRU first."""
+        heap = [n for n in self.nodes() if n.value is None and not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            node = heapq.heappop(heap)
+            parent = node.parent
+            freed += len(node.key)
+            self._free_host(node)
+            RadixCache._delete(self, node)
+            if (parent is not None and parent is not self.root and parent.value is None
+                    and not parent.children and parent.lock_ref == 0):
+                heapq.heappush(heap, parent)
+        self.counters["evicted_host_tokens_total"] += freed
+        return freed
+
+    def clear(self) -> bool:
+        self.poll()
+        super().evict(self.cached_tokens)
+        self.evict_host(self.host_cached_tokens)
+        return self.cached_tokens == 0 and self.host_cached_tokens == 0
+
+    # ------------------------------------------------------------------ load back
+    def load_back(self, match: MatchResult) -> MatchResult:
+        if match.host_len < max(self.load_threshold, 1):
+            return match  # cheaper to recompute
+        path: list[TreeNode] = []
+        node = match.host_node
+        while node is not match.device_node:
+            path.append(node)
+            assert node.parent is not None
+            node = node.parent
+        path.reverse()
+        pages = self.allocator.pages_for(match.host_len)
+        if pages > self.allocator.free_pages:
+            self.evict((pages - self.allocator.free_pages) * self.page_size)
+        if pages > self.allocator.free_pages:
+            return match  # no room on the device: the request recomputes instead
+        device_slots = self.allocator.alloc_pages(pages)[: match.host_len]
+        host_slots = torch.cat([n.host_value for n in path if n.host_value is not None])
+        # NOTE: all or nothing: every node on the path is copied before any prefill uses it.
+        self.transfer.load_async(host_slots, device_slots).wait()
+        offset = 0
+        for node in path:
+            n = len(node.key)
+            node.value = device_slots[offset : offset + n].clone()
+            offset += n
+            self.cached_tokens += n
+            if node.lock_ref > 0:
+                self.protected_tokens += n
+        self.counters["loadback_tokens_total"] += match.host_len
+        self.counters["loadback_bytes_total"] += match.host_len * self.token_bytes
+        return MatchResult(
+            torch.cat([match.device_slots, device_slots]), match.host_node, 0, match.host_node
+        )
+
+    # ------------------------------------------------------------------ reporting
+    def host_stats(self) -> dict[str, float]:
+        stats: dict[str, float] = {
+            "host_total": self.host_pool.capacity,
+            "host_free": self.host_pool.available,
+            "host_cached": self.host_cached_tokens,
+        }
+        stats.update(self.counters)
+        return stats
+
+    def check_host_invariants(self) -> None:
+        held = sum(len(n.key) for n in self.nodes() if n.host_value is not None)
+        assert held == self.host_cached_tokens, (held, self.host_cached_tokens)
+        total = self.host_pool.available + self.host_cached_tokens
+        assert total == self.host_pool.capacity, (
+            f"host accounting broken: free {self.host_pool.available} + cached "
+            f"{self.host_cached_tokens} != capacity {self.host_pool.capacity}"
+        )
+
+
+def build_hicache(
+    config: EngineConfig, allocator: PageAllocator, device_pool: DeviceKVPool,
+    spec: platform.DeviceSpec,
+) -> tuple[HiRadixCache, HostKVPool]:
+    """Size the host tier (--hicache-size GB, else --hicache-ratio x device pool)."""
+    per_token = device_pool.bytes_per_token
+    if config.hicache_size is not None:
+        host_tokens = int(config.hicache_size * 1e9) // per_token
+    else:
+        host_tokens = int(allocator.capacity * config.hicache_ratio)
+    host_tokens = max(host_tokens - host_tokens % allocator.page_size, allocator.page_size)
+    host_pool = HostKVPool(
+        device_pool.num_layers, host_tokens, device_pool.kv_heads, device_pool.head_dim,
+        device_pool.dtype, spec, layout=config.hicache_mem_layout,
+        page_size=allocator.page_size, alloc_method=config.hicache_host_alloc,
+    )
+    logger.info(
+        "HiCache host tier: %d tokens (%.2f GB), layout %s, write policy %s, "
+        "allocation %s, pinned %s", host_tokens, host_tokens * per_token / 1e9,
+        config.hicache_mem_layout, config.hicache_write_policy, host_pool.method,
+        host_pool.pinned,
+    )
+    tree = HiRadixCache(allocator, device_pool, host_pool, config.hicache_write_policy,
+                        config.hicache_load_threshold)
+    return tree, host_pool

@@ -1,0 +1,47 @@
+"""Turn a request's state into the RequestOutput snapshot the caller sees."""
+
+from __future__ import annotations
+
+from engine.detokenizer import StopChecker
+from engine.request import Req, RequestOutput
+
+
+def make_output(req: Req, finished: bool) -> RequestOutput:
+    """Snapshot with the deltas since the previous snapshot of ``req``.
+
+    While running, the tail of the text that could be the start of a stop string is held
+    back, so a stream never shows part of a stop string.
+    """
+    text = req.text
+    emit_upto = len(text)
+    if not finished and req.params.stop:
+        if req.stop_checker is None:
+            req.stop_checker = StopChecker(req.params.stop)
+        emit_upto -= req.stop_checker.holdback(text)
+    emit_upto = max(emit_upto, req.sent_text)
+    new_text = text[req.sent_text : emit_upto]
+    new_ids = req.output_ids[req.sent_tokens :]
+    want_logprobs = req.params.logprobs is not None
+    new_logprobs = req.logprobs[req.sent_logprobs :] if want_logprobs else None
+    req.sent_text = emit_upto
+    req.sent_tokens = len(req.output_ids)
+    req.sent_logprobs = len(req.logprobs)
+    reason = req.finish_reason.value if finished and req.finish_reason is not None else None
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_ids,
+        token_ids=list(req.output_ids),
+        text=text[:emit_upto],
+        new_token_ids=new_ids,
+        new_text=new_text,
+        finished=finished,
+        finish_reason=reason,
+        cached_tokens=req.cached_device + req.cached_host,
+        cached_tokens_device=req.cached_device,
+        cached_tokens_host=req.cached_host,
+        logprobs=list(req.logprobs) if want_logprobs else None,
+        new_logprobs=new_logprobs,
+        stop_reason=req.stop_reason,
+        first_token_time=req.first_token_time,
+        arrival_time=req.arrival_time,
+    )

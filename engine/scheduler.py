@@ -1,0 +1,212 @@
+"""Picks the next batch: admission, chunked prefill, decode and retraction."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import SchedulerConfig
+from engine.kvcache.allocator import OutOfSlotsError
+from engine.kvcache.manager import KVCacheManager
+from engine.request import Req, ReqStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-waiting-requests; the caller should retry later."""
+
+
+@dataclass
+class ScheduledBatch:
+    """One forward pass: sequence b computes tokens ``[starts[b], starts[b]+extend_lens[b])``."""
+
+    is_decode: bool
+    reqs: list[Req]
+    starts: list[int]
+    extend_lens: list[int]
+    out_slots: torch.Tensor  # [sum(extend_lens)] int64
+    sample: list[bool]  # whether sequence b samples a token after this pass
+    retracted: list[Req] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+class Scheduler:
+    """Continuous batching over one KV manager.
+
+    Prefill goes first (bounded by ``max_prefill_tokens``, long prompts cut into chunks of
+    ``chunked_prefill_size``); otherwise every running request decodes one token.
+    Admission counts free plus evictable KV and keeps ``new_token_ratio`` of the tokens
+    the running requests may still produce in reserve; if decode still runs out, the
+    requests that generated least are retracted and requeued.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+        new_token_ratio: float = 0.5,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.new_token_ratio = new_token_ratio
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted, holding KV (prefill may be unfinished)
+        self.num_retractions = 0
+        self.out_of_memory: list[Req] = []  # ended for lack of KV; the engine drains it
+        self._last_was_prefill = False
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"server overloaded: {len(self.waiting)} requests already waiting "
+                f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later"
+            )
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        """Take ``req`` out of the queues and release its KV at once."""
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ policy
+    def _reserved_tokens(self) -> int:
+        """KV kept back for the tokens running requests may still generate."""
+        total = 0
+        for r in self.running:
+            left = min(r.remaining_tokens, self.max_model_len - r.seq_len)
+            total += int(left * self.new_token_ratio)
+        return total
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.config.schedule_policy == "lpm" and len(self.waiting) > 1:
+            return sorted(self.waiting, key=lambda r: -self.kv.peek_prefix_len(r))
+        return list(self.waiting)
+
+    # ------------------------------------------------------------------ batches
+    def schedule(self) -> ScheduledBatch | None:
+        # Prefill first, but never twice in a row while requests wait to decode: a long
+        # chunked prompt then costs running requests one chunk of latency per token.
+        if self._last_was_prefill:
+            batch = self._schedule_decode()
+            if batch is not None:
+                self._last_was_prefill = False
+                return batch
+        batch = self._schedule_prefill()
+        if batch is not None:
+            self._last_was_prefill = True
+            return batch
+        self._last_was_prefill = False
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.config.max_prefill_tokens
+        chunk_cap = self.config.chunked_prefill_size
+        reqs: list[Req] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        slots: list[torch.Tensor] = []
+        sample: list[bool] = []
+
+        def take(req: Req, n: int) -> None:
+            nonlocal budget
+            starts.append(req.kv_len)
+            slots.append(self.kv.alloc(req, n))
+            reqs.append(req)
+            lens.append(n)
+            sample.append(req.kv_len == req.seq_len)
+            budget -= n
+
+        # Unfinished chunked prefills continue first. A request with exactly one token
+        # left to compute is decode-ready: the decode step computes it and samples.
+        for req in self.running:
+            if req.kv_len >= req.seq_len - 1:
+                continue
+            n = min(req.seq_len - req.kv_len, chunk_cap, budget)
+            if n <= 0 or self.kv.new_tokens_cost(req, n) > self.kv.available_tokens():
+                break
+            take(req, n)
+
+        available = self.kv.available_tokens() - self._reserved_tokens()
+        for req in self._ordered_waiting():
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if self.kv.req_table.free_rows == 0:
+                break
+            prefix = self.kv.peek_prefix_len(req)
+            pending = req.seq_len - prefix
+            n = min(pending, chunk_cap, budget)
+            # KV for this chunk, plus a reserve for the rest of the prompt and its output.
+            future = (pending - n) + int(
+                min(req.remaining_tokens, self.max_model_len - req.seq_len) * self.new_token_ratio
+            )
+            need = self.kv.allocator.pages_for(n) * self.kv.page_size + future
+            if need > available:
+                break
+            self.waiting.remove(req)
+            self.kv.admit(req)
+            n = min(req.seq_len - req.kv_len, chunk_cap, budget)
+            try:
+                take(req, n)
+            except OutOfSlotsError:
+                self.kv.release(req)
+                self.waiting.appendleft(req)
+                break
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            available -= need
+        if not reqs:
+            return None
+        return ScheduledBatch(False, reqs, starts, lens, torch.cat(slots), sample)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        order = [r for r in self.running if r.kv_len == r.seq_len - 1]
+        if not order:
+            return None
+        retracted: list[Req] = []
+        slots: list[torch.Tensor] = []
+        ready: list[Req] = []
+        # Most progress first: when KV runs out, the requests that generated least go.
+        order.sort(key=lambda r: -len(r.output_ids))
+        i = 0
+        while i < len(order):
+            req = order[i]
+            try:
+                slots.append(self.kv.alloc(req, 1))
+                ready.append(req)
+                i += 1
+            except OutOfSlotsError:
+                victim = order.pop()
+                if len(self.running) == 1:
+                    # Alone and still out of KV: it can never fit; end it instead of looping.
+                    self.out_of_memory.append(victim)
+                    self.running.remove(victim)
+                    self.kv.release(victim)
+                else:
+                    self._retract(victim)
+                    retracted.append(victim)
+        if not ready:
+            return None
+        return ScheduledBatch(
+            True, ready, [r.kv_len - 1 for r in ready], [1] * len(ready),
+            torch.cat(slots), [True] * len(ready), retracted,
+        )
+
+    def _retract(self, req: Req) -> None:
+        """Free ``req``'s KV (cached in the tree) and put it back at the queue head."""
+        self.running.remove(req)
+        self.kv.release(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,197 @@
+"""Engine end to end on a tiny random model, with HF transformers as the oracle."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            seq = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        new = seq[0, len(ids):].tolist()
+        eos = model.generation_config.eos_token_id
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        for i, tok in enumerate(new):
+            if tok in eos_ids:
+                new = new[: i + 1]
+                break
+        outs.append(new)
+    return outs
+
+
+def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def engine_for(model_dir: Path, **kw) -> Engine:
+    cfg = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=4096)
+    cfg.update(kw)
+    eng = Engine(EngineConfig(**cfg))
+    eng.check_invariants = True
+    return eng
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts(6)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # everything in one batch
+        {"chunked_prefill_size": 5, "max_prefill_tokens": 16},  # chunked prefill
+        {"page_size": 4},
+        {"enable_prefix_cache": False},
+        {"schedule_policy": "lpm", "max_running_requests": 2},
+    ],
+    ids=["batched", "chunked", "page4", "no-cache", "lpm-2-running"],
+)
+def test_greedy_matches_hf(tiny_llama_dir, prompts, reference, overrides):
+    eng = engine_for(tiny_llama_dir, **overrides)
+    outs = eng.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    # Second pass: prefix-cache hits must not change a single token.
+    outs2 = eng.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs2] == reference
+    if overrides.get("enable_prefix_cache", True):
+        assert all(o.cached_tokens > 0 for o in outs2)
+    else:
+        assert all(o.cached_tokens == 0 for o in outs2)
+    stats = eng.stats()
+    assert stats["kv_used"] == 0 and stats["running"] == 0
+    assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
+
+
+def test_retraction_keeps_greedy_output(tiny_llama_dir, prompts, reference):
+    # A pool this small cannot hold all six requests' outputs at once.
+    eng = engine_for(tiny_llama_dir, kv_cache_tokens=96, max_prefill_tokens=64)
+    eng.scheduler.new_token_ratio = 0.0  # admit greedily so decode must retract
+    outs = eng.generate(prompts, GREEDY)
+    assert eng.scheduler.num_retractions > 0
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_shared_prefix_reports_cached_tokens(tiny_llama_dir):
+    eng = engine_for(tiny_llama_dir)
+    system = make_prompts(1, seed=7, lo=30, hi=31)[0]
+    first = eng.generate([system + [500, 501]], GREEDY)[0]
+    assert first.cached_tokens == 0
+    second = eng.generate([system + [900, 901, 902]], GREEDY)[0]
+    assert second.cached_tokens == len(system)
+    assert second.cached_tokens_device == len(system) and second.cached_tokens_host == 0
+
+
+def test_abort_everywhere_releases_kv(tiny_llama_dir):
+    eng = engine_for(tiny_llama_dir, chunked_prefill_size=4, max_prefill_tokens=4)
+    long_params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    ids = [eng.add_request(p, long_params) for p in make_prompts(3, seed=3, lo=20, hi=30)]
+    eng.step()  # first request is mid chunked prefill; the others wait
+    assert eng.abort(ids[0]).finish_reason == "abort"  # prefilling
+    assert eng.abort(ids[2]).finish_reason == "abort"  # queued
+    for _ in range(12):
+        eng.step()
+    assert eng.abort(ids[1]).finish_reason == "abort"  # decoding
+    assert eng.abort(ids[1]) is None  # already gone
+    stats = eng.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_used"] == 0
+    assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], SamplingParams(), "empty"),
+        ([5, 10**6], SamplingParams(), "vocabulary"),
+        (list(range(100, 1200)), SamplingParams(), "context length"),
+        ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
+        ([5, 6], SamplingParams(top_p=0.0), "top_p"),
+        ([5, 6], SamplingParams(top_p=1.5), "top_p"),
+        ([5, 6], SamplingParams(stop=[f"s{i}" for i in range(17)]), "stop"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_engine_keeps_serving(tiny_llama_dir, prompt, params,
+                                                             field):
+    eng = _shared_engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match=field):
+        eng.add_request(prompt, params)
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert len(out.token_ids) >= 1
+
+
+_ENGINES: dict[Path, Engine] = {}
+
+
+def _shared_engine(model_dir: Path) -> Engine:
+    if model_dir not in _ENGINES:
+        _ENGINES[model_dir] = engine_for(model_dir)
+    return _ENGINES[model_dir]
+
+
+def test_stop_conditions(tiny_llama_dir, prompts, reference):
+    eng = _shared_engine(tiny_llama_dir)
+    prompt, ref = prompts[0], reference[0]
+    # max_tokens
+    out = eng.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.token_ids == ref[:3] and out.finish_reason == "length"
+    # stop token id: generation ends at (and includes) the first occurrence
+    stop_tok = ref[4]
+    out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == ref[: ref.index(stop_tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # stop string: the text is cut before it
+    full = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    if len(full.text) > 6:
+        stop = full.text[3:6]
+        out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                    stop=[stop]))[0]
+        assert out.text == full.text[: full.text.index(stop)]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama_dir, prompts):
+    eng = _shared_engine(tiny_llama_dir)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = eng.generate([prompts[1]], params)[0].token_ids
+    other = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    crowd = eng.generate([prompts[0], prompts[1], prompts[2]], [other, params, other])
+    assert crowd[1].token_ids == alone
+
+
+def test_streamed_deltas_add_up(tiny_llama_dir, prompts):
+    eng = _shared_engine(tiny_llama_dir)
+    rid = eng.add_request(prompts[2], SamplingParams(max_tokens=10, temperature=0))
+    text, tokens = "", []
+    while True:
+        outs = [o for o in eng.step() if o.request_id == rid]
+        for o in outs:
+            text += o.new_text
+            tokens += o.new_token_ids
+        if outs and outs[-1].finished:
+            final = outs[-1]
+            break
+    assert tokens == final.token_ids and text == final.text
