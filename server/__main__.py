@@ -1,0 +1,53 @@
+"""``python -m server`` / ``hiserve``: parse flags, build the app, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from server.app import create_app
+from server.args import parse_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server; 0 after a drained shutdown (SIGTERM/SIGINT), 1 if the model fails."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(args, on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
+    )
+    server = uvicorn.Server(config)
+    # uvicorn drains on SIGTERM (stop accepting, wait for in-flight responses up to the
+    # grace period, then the lifespan shuts the engine down) and afterwards re-raises the
+    # signal it caught. Absorb that re-raise, so a drained shutdown exits with status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    with contextlib.suppress(KeyboardInterrupt):  # SIGINT: uvicorn already drained
+        server.run()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

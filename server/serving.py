@@ -1,0 +1,236 @@
+"""What completions and chat completions share: sampling params, fan-out, collection, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from engine.request import RequestOutput, SamplingParams
+from server.engine_client import EngineClient, translate_engine_error
+from server.errors import APIError, error_json
+from server.metrics import RequestTimer, ServerMetrics
+from server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
+from server.sse import sse_event
+
+logger = logging.getLogger("hiserve.server")
+T = TypeVar("T")
+Item = tuple[int, RequestOutput]
+SEED_MOD = 2**63
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def check_request(req: _SamplingRequest, client: EngineClient) -> None:
+    """Model name and fields we parse but cannot honour."""
+    if req.model is not None and req.model not in client.model_aliases:
+        raise APIError(
+            404,
+            f"The model `{req.model}` does not exist; this server serves "
+            f"`{client.served_model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
+def sampling_params(
+    req: _SamplingRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    seed: int | None,
+    vocab_size: int,
+) -> SamplingParams:
+    """Map request fields onto SamplingParams; None always means the default."""
+    top_k = (
+        -1 if req.top_k is None or req.top_k in (0, -1) or req.top_k >= vocab_size else req.top_k
+    )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=req.min_p or 0.0,
+        seed=seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        min_tokens=req.min_tokens or 0,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens is not False,
+    )
+
+
+@dataclass
+class Plan:
+    """One HTTP request fanned out into engine requests: choice k = prompt k // n, sample k % n."""
+
+    base_id: str
+    prompts: list[list[int]]  # distinct prompts
+    n: int
+    params: list[SamplingParams] = field(default_factory=list)  # one per choice
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+    def request_ids(self) -> list[str]:
+        return [f"{self.base_id}-{k}" for k in range(self.num_choices)]
+
+
+def make_plan(
+    client: EngineClient,
+    req: _SamplingRequest,
+    base_id: str,
+    prompts: list[list[int]],
+    max_tokens: Callable[[list[int]], int],
+    logprobs: int | None,
+    prompt_param: str,
+) -> Plan:
+    """Validate every choice up front, so a bad field fails before anything is queued."""
+    plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
+    for k in range(plan.num_choices):
+        prompt = plan.prompt_of(k)
+        seed = None if req.seed is None else (req.seed + k % plan.n) % SEED_MOD
+        params = sampling_params(
+            req,
+            max_tokens=max_tokens(prompt),
+            logprobs=logprobs,
+            seed=seed,
+            vocab_size=client.vocab_size,
+        )
+        client.validate(prompt, params, prompt_param)
+        plan.params.append(params)
+    return plan
+
+
+def start_generation(client: EngineClient, plan: Plan) -> AsyncIterator[Item]:
+    return client.generate_many(
+        [plan.prompt_of(k) for k in range(plan.num_choices)], plan.params, plan.request_ids()
+    )
+
+
+def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
+    """Prompt tokens count once per prompt (not per sample); cached split from sample 0."""
+    prompt_tokens = sum(len(p) for p in plan.prompts)
+    completion_tokens = sum(len(out.token_ids) for out in finals.values())
+    device = host = 0
+    for p in range(len(plan.prompts)):
+        first = finals.get(p * plan.n)
+        if first is not None:
+            device += first.cached_tokens_device
+            host += first.cached_tokens_host
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=device + host, cached_tokens_device=device, cached_tokens_host=host
+        ),
+    )
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (aborting requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def engine_error(exc: BaseException, prompt_param: str) -> APIError:
+    api = translate_engine_error(exc, prompt_param)
+    if api is None:
+        logger.error("engine failed a request", exc_info=exc)
+        return APIError(
+            500, f"internal error: {type(exc).__name__}: {exc}", err_type="server_error"
+        )
+    return api
+
+
+async def collect(
+    gen: AsyncIterator[Item], timers: list[RequestTimer], prompt_param: str
+) -> dict[int, RequestOutput]:
+    """Run every choice to its end; the final snapshot of each, by choice index."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for index, out in gen:
+            timers[index].observe(out)
+            if out.finished:
+                finals[index] = out
+    except (APIError, ValueError, RuntimeError) as exc:
+        raise engine_error(exc, prompt_param) from exc
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+    return finals
+
+
+async def prime(request: Request, gen: AsyncIterator[Item], prompt_param: str) -> Item | None:
+    """Wait for the first output before the 200 goes out, so queue-full is still a 503.
+
+    None when every choice ended without output (cannot happen with max_tokens >= 1).
+    """
+    try:
+        return await until_disconnect(request, gen.__anext__())
+    except StopAsyncIteration:
+        return None
+    except (APIError, ValueError, RuntimeError) as exc:
+        await gen.aclose()  # type: ignore[attr-defined]
+        raise engine_error(exc, prompt_param) from exc
+    except BaseException:
+        await gen.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def chain_first(first: Item | None, gen: AsyncIterator[Item]) -> AsyncIterator[Item]:
+    try:
+        if first is not None:
+            yield first
+        async for item in gen:
+            yield item
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+
+
+def stream_error_event(exc: BaseException, prompt_param: str) -> str:
+    """An error after the 200 went out: sent as an SSE data event (clients raise on it)."""
+    return sse_event(error_json(engine_error(exc, prompt_param)))
+
+
+def make_timers(metrics: ServerMetrics, start: float, count: int) -> list[RequestTimer]:
+    return [metrics.timer(start) for _ in range(count)]

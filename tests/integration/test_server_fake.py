@@ -1,0 +1,398 @@
+"""Server behaviour that a real model makes slow or hard to provoke, on a scripted engine:
+loading and failed-load states, queue-full 503s, a dead loop, fan-out of n and seeds,
+disconnect aborts, auth and body limits. Clients are the official ``openai`` and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.config import EngineConfig
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from server.app import create_app
+from server.args import ServerArgs
+
+KEY = "fake-key"
+
+
+class ByteTokenizer:
+    """Token id = byte + 3 (0 pad, 1 bos, 2 eos); a trivial chat template."""
+
+    chat_template = "fake"
+    eos_token_id = 2
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        tokenize: bool = False,
+        add_generation_prompt: bool = True,
+        **_: Any,
+    ) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """AsyncEngine's interface; emits 'a', 'b', 'c', ... one token per ``step_delay``."""
+
+    def __init__(self, config: EngineConfig, step_delay: float = 0.002) -> None:
+        self.config = config
+        self.tokenizer = ByteTokenizer()
+        self.model_path = Path("fake-model")
+        self.max_model_len = 256
+        self.vocab_size = 259
+        self.served_model_name = "fake-model"
+        self.step_delay = step_delay
+        self.alive = False
+        self.overloaded = False
+        self.running: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.calls: list[tuple[str, SamplingParams]] = []
+        self.seen: set[tuple[int, ...]] = set()
+        self.shutdown_called = False
+
+    def start(self) -> None:
+        self.alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}"
+            )
+        params.validate(self.vocab_size)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        self.validate(prompt_ids, params)
+        if not self.alive:
+            raise EngineDeadError("loop stopped")
+        if self.overloaded:
+            raise EngineOverloadedError("server overloaded: 9 requests waiting; retry later")
+        self.calls.append((request_id, params))
+        cached = len(prompt_ids) - 1 if tuple(prompt_ids) in self.seen else 0
+        self.seen.add(tuple(prompt_ids))
+        self.running[request_id] = len(prompt_ids)
+        done = False
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        text = ""
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(self.step_delay)
+                token = 3 + ord("a") + i % 26
+                ids.append(token)
+                new = chr(ord("a") + i % 26)
+                text += new
+                self.running[request_id] += 1
+                lp = TokenLogprob(token, -0.25, {token: -0.25, token + 1: -2.0})
+                lps.append(lp)
+                reason = "length" if i == params.max_tokens - 1 else None
+                for stop in params.stop:
+                    if text.endswith(stop):
+                        text, new, reason = text[: -len(stop)], "", "stop"
+                done = reason is not None
+                want = params.logprobs is not None
+                yield RequestOutput(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=list(ids),
+                    text=text,
+                    new_token_ids=[token],
+                    new_text=new,
+                    finished=done,
+                    finish_reason=reason,
+                    cached_tokens=cached,
+                    cached_tokens_device=cached,
+                    cached_tokens_host=0,
+                    logprobs=list(lps) if want else None,
+                    new_logprobs=[lp] if want else None,
+                )
+                if done:
+                    return
+        finally:
+            self.running.pop(request_id, None)
+            if not done:
+                self.aborted.append(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "kv_total": 4096,
+            "kv_used": sum(self.running.values()),
+            "running": len(self.running),
+            "waiting": 0,
+            "prompt_tokens_total": 10,
+            "cached_tokens_device_total": 4,
+        }
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "device": "cpu",
+            "dtype": "float32",
+            "kv_total_tokens": 4096,
+            "hicache": False,
+            "host_alloc_method": None,
+            "pinned": False,
+        }
+
+    async def flush_cache(self) -> bool:
+        return not self.running
+
+    async def shutdown(self, grace_s: float) -> None:
+        self.shutdown_called = True
+        self.alive = False
+
+
+Fake = tuple[FakeEngine, Any]
+
+
+def _args(**kw: Any) -> ServerArgs:
+    return ServerArgs(engine=EngineConfig(), api_key=KEY, max_body_bytes=4096, **kw)
+
+
+@pytest.fixture
+def fake(tools: SimpleNamespace) -> Iterator[Fake]:
+    holder: dict[str, FakeEngine] = {}
+
+    def factory(config: EngineConfig) -> FakeEngine:
+        holder["engine"] = FakeEngine(config, step_delay=0.002)
+        return holder["engine"]
+
+    with tools.ThreadServer(create_app(_args(), engine_factory=factory)) as srv:
+        assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
+        yield holder["engine"], srv
+    assert holder["engine"].shutdown_called
+
+
+def _client(srv: Any, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_loading_then_ready(tools: SimpleNamespace) -> None:
+    gate = threading.Event()
+
+    def factory(config: EngineConfig) -> FakeEngine:
+        gate.wait(20)
+        return FakeEngine(config)
+
+    with tools.ThreadServer(create_app(_args(), engine_factory=factory)) as srv:
+        health = httpx.get(srv.base_url + "/health")
+        assert health.status_code == 503
+        assert health.json()["error"]["code"] == "loading"
+        models = httpx.get(srv.base_url + "/v1/models", headers=_auth())
+        assert models.status_code == 503 and models.headers["Retry-After"]
+        gate.set()
+        assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
+        assert httpx.get(srv.base_url + "/health").json()["kv_total_tokens"] == 4096
+
+
+def test_load_failure_is_reported_and_fatal(tools: SimpleNamespace) -> None:
+    fatal: list[BaseException] = []
+
+    def factory(config: EngineConfig) -> FakeEngine:
+        raise FileNotFoundError("no model at /nowhere")
+
+    app = create_app(_args(), engine_factory=factory, on_fatal=fatal.append)
+    with tools.ThreadServer(app) as srv:
+        assert tools.wait_until(lambda: bool(fatal))
+        assert isinstance(fatal[0], FileNotFoundError)
+        assert httpx.get(srv.base_url + "/health").json()["error"]["code"] == "failed"
+        resp = httpx.post(srv.base_url + "/v1/completions", headers=_auth(), json={"prompt": "x"})
+        assert resp.status_code == 503 and "/nowhere" in resp.json()["error"]["message"]
+
+
+def test_overloaded_is_503_with_retry_after(fake: Fake) -> None:
+    engine, srv = fake
+    engine.overloaded = True
+    for stream in (False, True):
+        resp = httpx.post(
+            srv.base_url + "/v1/completions",
+            headers=_auth(),
+            json={"prompt": "hi", "stream": stream},
+        )
+        assert resp.status_code == 503
+        assert int(resp.headers["Retry-After"]) >= 1
+        assert resp.json()["error"]["code"] == "overloaded"
+    with pytest.raises(openai.APIStatusError) as info:
+        _client(srv).chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.status_code == 503
+    engine.overloaded = False
+    assert _client(srv).completions.create(model="fake-model", prompt="x").choices
+
+
+def test_dead_loop_is_503(fake: Fake) -> None:
+    engine, srv = fake
+    engine.alive = False
+    assert httpx.get(srv.base_url + "/health").status_code == 503
+    resp = httpx.post(srv.base_url + "/v1/completions", headers=_auth(), json={"prompt": "x"})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
+
+
+def test_n_fans_out_with_seeds(fake: Fake) -> None:
+    engine, srv = fake
+    result = _client(srv).completions.create(
+        model="fake-model", prompt=["ab", "cd"], n=3, seed=7, max_tokens=3
+    )
+    assert [c.index for c in result.choices] == list(range(6))
+    ids = [rid for rid, _ in engine.calls]
+    assert ids == [f"{result.id}-{k}" for k in range(6)]
+    assert [p.seed for _, p in engine.calls] == [7, 8, 9, 7, 8, 9]
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == 4  # each prompt counted once, not per sample
+    assert result.usage.completion_tokens == 18
+
+
+def test_completion_logprobs_and_echo_format(fake: Fake) -> None:
+    _, srv = fake
+    result = _client(srv).completions.create(
+        model="fake-model", prompt="hey", max_tokens=3, logprobs=1, echo=True
+    )
+    choice = result.choices[0]
+    assert choice.text == "heyabc"
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens == ["h", "e", "y", "a", "b", "c"]
+    assert lp.token_logprobs == [None, None, None, -0.25, -0.25, -0.25]
+    assert lp.text_offset == [0, 1, 2, 3, 4, 5]
+    assert lp.top_logprobs is not None and lp.top_logprobs[3] == {"a": -0.25, "b": -2.0}
+
+
+def test_auth_and_routes(fake: Fake) -> None:
+    _, srv = fake
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        resp = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert resp.status_code == 401
+        assert resp.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(srv.base_url + "/flush_cache").status_code == 401
+    assert httpx.get(srv.base_url + "/metrics").status_code == 200
+    resp = httpx.get(srv.base_url + "/v1/nope", headers=_auth())
+    assert resp.status_code == 404 and "error" in resp.json()
+    assert httpx.post(srv.base_url + "/flush_cache", headers=_auth()).json() == {"flushed": True}
+
+
+def test_body_limit(fake: Fake) -> None:
+    _, srv = fake
+    big = {"prompt": "x" * 5000}
+    resp = httpx.post(srv.base_url + "/v1/completions", json=big, headers=_auth())
+    assert resp.status_code == 413 and "4096" in resp.json()["error"]["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted while reading
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    resp = httpx.post(
+        srv.base_url + "/v1/completions",
+        content=chunked(),
+        headers={**_auth(), "Content-Type": "application/json"},
+    )
+    assert resp.status_code == 413
+
+
+def test_disconnect_aborts(fake: Fake, tools: SimpleNamespace) -> None:
+    engine, srv = fake
+    engine.step_delay = 0.05  # 200 tokens: ~10 s unless aborted
+    body = {"model": "fake-model", "prompt": "x", "max_tokens": 200}
+    with httpx.stream(
+        "POST", srv.base_url + "/v1/completions", headers=_auth(), json={**body, "stream": True}
+    ) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+    assert tools.wait_until(lambda: len(engine.aborted) == 1, timeout=5)
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.base_url + "/v1/completions", headers=_auth(), json=body, timeout=0.3)
+    assert tools.wait_until(lambda: len(engine.aborted) == 2, timeout=5)
+    assert time.monotonic() - started < 5
+    assert not engine.running
+
+
+def test_metrics_names(fake: Fake, tools: SimpleNamespace) -> None:
+    _, srv = fake
+    _client(srv).completions.create(model="fake-model", prompt="x", max_tokens=2)
+    text = httpx.get(srv.base_url + "/metrics").text
+    assert tools.metric_value(text, "hiserve:kv_total_tokens", 'tier="device"') == 4096
+    assert tools.metric_value(text, "hiserve:prompt_tokens_total") == 10
+    assert tools.metric_value(text, "hiserve:cached_prompt_tokens_total", 'source="device"') == 4
+    assert tools.metric_value(text, "hiserve:prefix_cache_hit_rate") == pytest.approx(0.4)
+    assert tools.metric_value(text, "hiserve:time_to_first_token_seconds_count") == 1
+    assert tools.metric_value(text, "hiserve:inter_token_latency_seconds_count") == 1
+    assert tools.metric_value(text, "hiserve:e2e_request_latency_seconds_count") == 1
+    assert (
+        tools.metric_value(
+            text, "hiserve:host_tier_info", 'alloc_method="none",enabled="false",pinned="false"'
+        )
+        == 1
+    )
+
+
+def test_shutdown_grace_aborts_stragglers(tools: SimpleNamespace) -> None:
+    holder: list[FakeEngine] = []
+
+    def factory(config: EngineConfig) -> FakeEngine:
+        holder.append(FakeEngine(config, step_delay=0.05))  # 200 tokens: ~10 s
+        return holder[0]
+
+    srv = tools.ThreadServer(
+        create_app(_args(shutdown_grace=1.0), engine_factory=factory), timeout_graceful_shutdown=1.0
+    )
+    with srv:
+        assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
+        first = threading.Event()
+        lines: list[str] = []
+
+        def stream() -> None:
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.stream(
+                    "POST",
+                    srv.base_url + "/v1/completions",
+                    headers=_auth(),
+                    json={"prompt": "x", "max_tokens": 200, "stream": True},
+                ) as resp,
+            ):
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    lines.append(line)
+                    first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(10)
+        started = time.monotonic()
+        srv.server.should_exit = True  # what SIGTERM does
+        reader.join(20)
+        srv.thread.join(20)
+        assert time.monotonic() - started < 6
+    engine = holder[0]
+    assert len(engine.aborted) == 1 and not engine.running
+    assert engine.shutdown_called
+    assert "data: [DONE]" not in lines  # cut at the grace period, not run to the end
