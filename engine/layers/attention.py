@@ -1,0 +1,180 @@
+"""Paged attention over the device KV pool, in pure PyTorch (any device)."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.layers.attention_meta import AttentionMetadata
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AttentionBackend(abc.ABC):
+    """Writes the new tokens' K/V to the pool and attends each new query over its sequence."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, q_heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:  # [T, q_heads * head_dim]
+        ...
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """SDPA-based backend: one batched gather for decode, one SDPA per sequence for extend.
+
+    Half-precision inputs are attended in float32 (softmax included) on devices other than
+    CUDA; CUDA's fused SDPA kernels already accumulate the softmax in float32.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:
+        kv_pool.write(layer_id, meta.out_slots, k, v)
+        if meta.is_decode:
+            return self._decode(q, layer_id, meta, kv_pool)
+        return self._extend(q, k, v, layer_id, meta, kv_pool)
+
+    # ---- decode: every sequence has one new token --------------------------------------
+
+    @staticmethod
+    def _decode_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat KV slots ``[B * max_seq_len]`` and padding mask, built once per forward."""
+        slots = meta.cache.get("decode_slots")
+        if slots is not None:
+            return slots, meta.cache.get("decode_mask")
+        max_len = meta.max_seq_len
+        table = meta.req_table[meta.req_rows, :max_len].long()  # [B, max_seq_len]
+        mask: torch.Tensor | None = None
+        if min(meta.seq_lens_list) == max_len:
+            slots = table
+        else:
+            cols = torch.arange(max_len, device=table.device)  # [max_seq_len]
+            valid = cols[None, :] < meta.seq_lens[:, None]  # [B, max_seq_len]
+            # NOTE: columns past a sequence's length may hold stale slots; read the dummy
+            # slot 0 there instead, and mask those keys out.
+            slots = table.masked_fill(~valid, 0)
+            mask = valid[:, None, None, :]  # [B, 1, 1, max_seq_len]
+            meta.cache["decode_mask"] = mask
+        slots = slots.reshape(-1)
+        meta.cache["decode_slots"] = slots
+        return slots, mask
+
+    def _decode(
+        self, q: torch.Tensor, layer_id: int, meta: AttentionMetadata, kv_pool: DeviceKVPool
+    ) -> torch.Tensor:
+        slots, mask = self._decode_layout(meta)  # slots: [B * max_seq_len]
+        num_seqs, q_heads, head_dim = q.shape
+        kv_heads = kv_pool.kv_heads
+        ctx_shape = (num_seqs, -1, kv_heads, head_dim)
+        # index_select on a flat index is several times faster than advanced indexing.
+        # [B, kv_heads, max_seq_len, head_dim]
+        k_ctx = kv_pool.k_buffers[layer_id].index_select(0, slots).view(ctx_shape).transpose(1, 2)
+        v_ctx = kv_pool.v_buffers[layer_id].index_select(0, slots).view(ctx_shape).transpose(1, 2)
+        # GQA without copying K/V: the q heads sharing one kv head act as a group of
+        # queries. [B, kv_heads, group, head_dim]
+        q_groups = q.view(num_seqs, kv_heads, q_heads // kv_heads, head_dim)
+        out = self._sdpa(q_groups, k_ctx, v_ctx, mask, causal=False)
+        return out.reshape(num_seqs, q_heads * head_dim)
+
+    # ---- extend / prefill: per sequence ------------------------------------------------
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:
+        num_tokens, q_heads, head_dim = q.shape
+        group = q_heads // kv_pool.kv_heads
+        out = torch.empty(num_tokens, q_heads * head_dim, dtype=q.dtype, device=q.device)
+        start = 0
+        for b, ext_len in enumerate(meta.extend_lens_list):
+            end = start + ext_len
+            prefix_len = meta.prefix_lens_list[b]
+            if prefix_len == 0:
+                # Whole sequence is new: its K/V are the tensors just written.
+                k_seq, v_seq, mask = k[start:end], v[start:end], None  # [L, kv_heads, D]
+            else:
+                slots, mask = self._extend_layout(meta, b)
+                k_seq = kv_pool.k_buffers[layer_id].index_select(0, slots)  # [S, kv_heads, D]
+                v_seq = kv_pool.v_buffers[layer_id].index_select(0, slots)
+            if group > 1:
+                k_seq = k_seq.repeat_interleave(group, dim=1)  # [S, q_heads, head_dim]
+                v_seq = v_seq.repeat_interleave(group, dim=1)
+            # 4-D inputs: the fused (flash) SDPA kernels do not take 3-D ones.
+            seq_out = self._sdpa(
+                q[start:end].transpose(0, 1)[None],  # [1, q_heads, L, head_dim]
+                k_seq.transpose(0, 1)[None],  # [1, q_heads, S, head_dim]
+                v_seq.transpose(0, 1)[None],
+                mask,
+                causal=mask is None,
+            )  # [1, q_heads, L, head_dim]
+            out[start:end] = seq_out[0].transpose(0, 1).reshape(ext_len, q_heads * head_dim)
+            start = end
+        return out
+
+    @staticmethod
+    def _extend_layout(meta: AttentionMetadata, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[S]`` and bottom-right causal mask ``[L, S]`` of sequence ``b`` (cached)."""
+        key = f"extend_slots_{b}"
+        slots = meta.cache.get(key)
+        if slots is not None:
+            return slots, meta.cache[f"extend_mask_{b}"]
+        seq_len, prefix_len = meta.seq_lens_list[b], meta.prefix_lens_list[b]
+        ext_len = meta.extend_lens_list[b]
+        slots = meta.req_table[meta.req_rows[b], :seq_len].long()  # [S]
+        rows = torch.arange(ext_len, device=slots.device)[:, None]  # [L, 1]
+        cols = torch.arange(seq_len, device=slots.device)[None, :]  # [1, S]
+        # NOTE: new token i sits at position prefix_len + i and sees keys 0..prefix_len + i.
+        mask = cols <= rows + prefix_len  # [L, S]
+        meta.cache[key] = slots
+        meta.cache[f"extend_mask_{b}"] = mask
+        return slots, mask
+
+    # ---- shared ------------------------------------------------------------------------
+
+    @staticmethod
+    def _sdpa(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        out_dtype = q.dtype
+        if out_dtype in _HALF_DTYPES and q.device.type != "cuda":
+            q, k, v = q.float(), k.float(), v.float()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    """Instantiate an attention backend by name."""
+    cls = _BACKENDS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}"
+        )
+    return cls()

