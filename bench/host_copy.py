@@ -40,9 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="transfer sizes in tokens (default: 64 KiB .. 64 MiB)")
     parser.add_argument("--min-time", type=float, default=0.1,
                         help="seconds spent timing each cell")
-    parser.add_argument("--device-pool", choices=["split", "fused"], default="split",
-                        help="split: DeviceKVPool as allocated (one tensor per layer); fused: "
-                             "its buffers as views of one [2, L, S, H, D] tensor")
+    parser.add_argument("--device-pool", choices=["split", "fused"], default="fused",
+                        help="fused: DeviceKVPool as allocated (per-layer views of one "
+                             "[2, L, S, H, D] tensor); split: one tensor per layer")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: steadier numbers on a shared machine)")
     return parser.parse_args(argv)
@@ -70,12 +70,6 @@ def scattered_slots(num_tokens: int, num_slots: int, page_size: int) -> torch.Te
     page_ids = torch.randperm(usable_pages)[:pages]
     slots = (page_ids[:, None] * page_size + torch.arange(page_size)).reshape(-1) + 1
     return slots[:num_tokens]
-
-
-def fuse(pool: DeviceKVPool) -> None:
-    """Re-home the pool's per-layer buffers as views of one ``[2, L, S, H, D]`` tensor."""
-    kv = torch.stack([torch.stack(pool.k_buffers), torch.stack(pool.v_buffers)])
-    pool.k_buffers, pool.v_buffers = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
 
 def copy_back(host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor,
@@ -135,8 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     layouts = ["layer_first", "page_first"] if args.layout == "both" else [args.layout]
     pool = DeviceKVPool(args.layers, 2 * max(counts) + args.page_size + 1, args.kv_heads,
                         args.head_dim, dtype, to_torch_device(spec))
-    if args.device_pool == "fused":
-        fuse(pool)
+    if args.device_pool == "split":
+        pool.k_buffers = [b.clone() for b in pool.k_buffers]
+        pool.v_buffers = [b.clone() for b in pool.v_buffers]
     for buffer in (*pool.k_buffers, *pool.v_buffers):
         buffer.normal_()
     print(f"device {spec}, dtype {str(dtype).removeprefix('torch.')}, {args.layers} layers x "

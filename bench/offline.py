@@ -20,10 +20,12 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 
 
-def make_workload(n: int, seed: int, vocab: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
+def make_workload(n: int, seed: int, vocab: tuple[int, int], prompt_lens: tuple[int, int],
+                  output_lens: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(*vocab) for _ in range(rng.randrange(16, 256))] for _ in range(n)]
-    out_lens = [rng.randrange(16, 129) for _ in range(n)]
+    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(*prompt_lens))]
+               for _ in range(n)]
+    out_lens = [rng.randint(*output_lens) for _ in range(n)]
     return prompts, out_lens
 
 
@@ -85,7 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--single-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(8, 64),
+                        metavar=("MIN", "MAX"), help="prompt length range in tokens")
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128),
+                        metavar=("MIN", "MAX"), help="output length range in tokens")
+    parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="only measure the engine")
     args = parser.parse_args(argv)
@@ -94,7 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(EngineConfig(model=args.model, device="cpu", dtype="float32",
                                  kv_cache_tokens=32768, max_running_requests=64,
                                  enable_prefix_cache=False))
-    prompts, out_lens = make_workload(args.num_requests, args.seed, (100, 40000))
+    prompts, out_lens = make_workload(args.num_requests, args.seed, (100, 40000),
+                                      tuple(args.prompt_len), tuple(args.output_len))
+    print(f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
+          f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, fp32")
     run_engine(engine, prompts[:2], [4, 4])  # warm-up
     engine_batch = run_engine(engine, prompts, out_lens)
     engine_single = run_engine(engine, prompts[:1], [args.single_tokens])

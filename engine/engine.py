@@ -46,7 +46,8 @@ class Engine:
         context: Any = config.max_model_len or getattr(
             self.hf_config, "max_position_embeddings", 2048)
         self.max_model_len = int(context)
-        self.served_model_name = config.served_model_name or self.model_path.name
+        self.served_model_name = config.served_model_name or _default_served_name(
+            config.model, self.model_path)
         self.eos_token_ids = self._eos_ids()
 
         self.kv: KVSetup = build_kv(config, self.hf_config, self.device_spec, self.device,
@@ -295,3 +296,12 @@ class Engine:
 
     def close(self) -> None:
         self.kv.close()
+
+
+def _default_served_name(model: str, model_path: Path) -> str:
+    """What the API calls the model when --served-model-name is not given."""
+    if model == "default":
+        return "SmolLM2-135M-Instruct"
+    if model.endswith(".gguf"):
+        return Path(model).stem
+    return model_path.name

@@ -195,3 +195,28 @@ def test_streamed_deltas_add_up(tiny_llama_dir, prompts):
             final = outs[-1]
             break
     assert tokens == final.token_ids and text == final.text
+
+
+def test_top_logprobs_match_hf(tiny_llama_dir, prompts):
+    """Chosen-token and top-5 logprobs equal HF's log_softmax of the same logits.
+
+    Tolerance: 1e-4 absolute in float32 (the two implementations sum in different orders).
+    """
+    from transformers import AutoModelForCausalLM
+
+    eng = _shared_engine(tiny_llama_dir)
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=5, ignore_eos=True)
+    out = eng.generate([prompts[3]], params)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    seq = torch.tensor([prompts[3] + out.token_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(seq).logits[0].float(), dim=-1)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for i, entry in enumerate(out.logprobs):
+        row = logprobs[len(prompts[3]) - 1 + i]
+        assert entry.token_id == out.token_ids[i]
+        assert abs(entry.logprob - row[entry.token_id].item()) < 1e-4
+        top_vals, top_ids = row.topk(5)
+        assert list(entry.top) == top_ids.tolist()
+        for tok, val in zip(top_ids.tolist(), top_vals.tolist()):
+            assert abs(entry.top[tok] - val) < 1e-4
