@@ -48,8 +48,9 @@ def test_stream_closed_early_frees_kv(http: httpx.Client, model_name: str, tools
                 chunks += 1
             if chunks == 3:
                 break
-        # the request is running and owns KV right now
-        assert _kv_state(http, tools)[0] > baseline
+        # the request is running and owns KV right now (the gauge is published by the
+        # engine loop after each step, so give it a moment)
+        assert tools.wait_until(lambda: _kv_state(http, tools)[0] > baseline, timeout=10)
     assert tools.wait_until(lambda: _idle(http, tools, baseline), timeout=10)
     generated = _kv_state(http, tools)[2] - generated_before
     assert 3 <= generated < 1000  # aborted, not run to the end
