@@ -74,6 +74,7 @@ class ModelRunner:
         """Forward ``batch``; sample for the rows whose prompt is complete."""
         input_ids, positions = self._inputs(batch)
         meta = self._metadata(batch)
+        meta.kv_loads = batch.kv_loads
         hidden = self.model(input_ids, positions, meta, self.kv_pool)  # [T, hidden]
         if not any(batch.sample):
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class ScheduledBatch:
     out_slots: torch.Tensor  # [sum(extend_lens)] int64
     sample: list[bool]  # whether sequence b samples a token after this pass
     retracted: list[Req] = field(default_factory=list)
+    kv_loads: list[Any] = field(default_factory=list)  # host-tier loads to wait for
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +97,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
+        batch = self._pick_batch()
+        if batch is not None:
+            batch.kv_loads = self.kv.tree.take_load_handles()
+        return batch
+
+    def _pick_batch(self) -> ScheduledBatch | None:
         # Prefill first, but never twice in a row while requests wait to decode: a long
         # chunked prompt then costs running requests one chunk of latency per token.
         if self._last_was_prefill:

@@ -44,6 +44,8 @@ class HiRadixCache(RadixCache):
         self.load_threshold = load_threshold
         self.token_bytes = device_pool.bytes_per_token
         self._pending: list[tuple[Any, TreeNode]] = []  # (transfer handle, locked node)
+        self._loads_new: list[Any] = []  # loads the next forward must wait for, per layer
+        self._loads_inflight: list[Any] = []  # kept referenced until the copy is done
         self.host_cached_tokens = 0
         self.counters = dict.fromkeys(
             ("evicted_host_tokens_total", "backup_tokens_total", "backup_bytes_total",
@@ -80,7 +82,8 @@ class HiRadixCache(RadixCache):
         return True
 
     def poll(self) -> None:
-        """Unlock nodes whose backup finished (never blocks)."""
+        """Unlock nodes whose backup finished; forget finished loads (never blocks)."""
+        self._loads_inflight = [h for h in self._loads_inflight if not h.done()]
         still: list[tuple[Any, TreeNode]] = []
         for handle, node in self._pending:
             if handle.done():
@@ -173,13 +176,22 @@ class HiRadixCache(RadixCache):
         path.reverse()
         pages = self.allocator.pages_for(match.host_len)
         if pages > self.allocator.free_pages:
+            # NOTE: making device room may back nodes up (write_back), which may evict
+            # host-only leaves: the path being loaded must not be among them.
+            self.lock(match.host_node)
             self.evict((pages - self.allocator.free_pages) * self.page_size)
+            self.unlock(match.host_node)
         if pages > self.allocator.free_pages:
             return match  # no room on the device: the request recomputes instead
         device_slots = self.allocator.alloc_pages(pages)[: match.host_len]
         host_slots = torch.cat([n.host_value for n in path if n.host_value is not None])
-        # NOTE: all or nothing: every node on the path is copied before any prefill uses it.
-        self.transfer.load_async(host_slots, device_slots).wait()
+        # NOTE: all or nothing: every node on the path gets device slots now; the copy runs
+        # on the load stream and the next forward waits for it layer by layer
+        # (take_load_handles), so the scheduler never blocks on it.
+        handle = self.transfer.load_async(host_slots, device_slots)
+        if not handle.done():
+            self._loads_new.append(handle)
+            self._loads_inflight.append(handle)
         offset = 0
         for node in path:
             n = len(node.key)
@@ -193,6 +205,10 @@ class HiRadixCache(RadixCache):
         return MatchResult(
             torch.cat([match.device_slots, device_slots]), match.host_node, 0, match.host_node
         )
+
+    def take_load_handles(self) -> list[Any]:
+        handles, self._loads_new = self._loads_new, []
+        return handles
 
     # ------------------------------------------------------------------ reporting
     def host_stats(self) -> dict[str, float]:

@@ -6,7 +6,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -204,6 +204,11 @@ class RadixCache:
         Returns a longer match on success, or ``match`` unchanged (then it is recomputed).
         """
         return match
+
+    def take_load_handles(self) -> list[Any]:
+        """Host-to-device copies issued since the last call (HiCache); the next forward
+        waits for each of them layer by layer before reading KV."""
+        return []
 
     def _on_insert_node(self, node: TreeNode) -> None:
         """Hook for the host tier (write-through backup)."""

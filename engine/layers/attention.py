@@ -45,6 +45,8 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
+        for load in meta.kv_loads:
+            load.wait_layer(layer_id)  # compute waits for this layer's host-tier copy
         kv_pool.write(layer_id, meta.out_slots, k, v)
         if meta.is_decode:
             return self._decode(q, layer_id, meta, kv_pool)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ class AttentionMetadata:
     extend_lens_list: list[int]  # [B] new tokens per sequence; sums to T
     seq_lens_list: list[int]  # [B]
     max_seq_len: int
+    # Host-tier loads (TransferHandle) still in flight: each layer waits for its part.
+    kv_loads: list[Any] = field(default_factory=list)
     # Filled lazily by the attention backend once per forward, reused by every layer.
     cache: dict[str, torch.Tensor] = field(default_factory=dict)
 
