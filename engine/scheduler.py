@@ -158,9 +158,14 @@ class Scheduler:
             future = (pending - n) + int(
                 min(req.remaining_tokens, self.max_model_len - req.seq_len) * self.new_token_ratio
             )
-            need = self.kv.allocator.pages_for(n) * self.kv.page_size + future
+            chunk_cost = self.kv.allocator.pages_for(n) * self.kv.page_size
+            need = chunk_cost + future
             if need > available:
-                break
+                # The reserve is an estimate: a request alone in an idle engine still runs
+                # if its first chunk fits (decode then ends it should the pool fill up).
+                alone = not self.running and not reqs
+                if not (alone and chunk_cost <= self.kv.available_tokens()):
+                    break
             self.waiting.remove(req)
             self.kv.admit(req)
             n = min(req.seq_len - req.kv_len, chunk_cap, budget)

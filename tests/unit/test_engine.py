@@ -220,3 +220,18 @@ def test_top_logprobs_match_hf(tiny_llama_dir, prompts):
         assert list(entry.top) == top_ids.tolist()
         for tok, val in zip(top_ids.tolist(), top_vals.tolist()):
             assert abs(entry.top[tok] - val) < 1e-4
+
+
+def test_request_larger_than_the_reserve_still_runs(tiny_llama_dir):
+    """A prompt plus max_tokens beyond the pool must not wait forever: it runs alone and
+    ends with "length" when the pool is full."""
+    eng = engine_for(tiny_llama_dir, kv_cache_tokens=64)
+    rid = eng.add_request(list(range(200, 240)), SamplingParams(max_tokens=500, ignore_eos=True))
+    final = None
+    for _ in range(200):
+        final = next((o for o in eng.step() if o.request_id == rid and o.finished), final)
+        if final is not None:
+            break
+    assert final is not None and final.finish_reason == "length"
+    assert 0 < len(final.token_ids) <= 64 - 40 + 1
+    assert eng.stats()["kv_used"] == 0
