@@ -128,6 +128,21 @@ class KVCacheManager:
         """``free + owned + cached == capacity`` (tests call this after every step)."""
         owned = sum(self.owned_tokens(r) for r in running if r.row >= 0)
         total = self.allocator.free_tokens + owned + self.tree.cached_tokens
+        # Lock balance: every lock on a node comes from a running request on its path
+        # (or an in-flight host-tier backup, which holds its own lock).
+        expected: dict[int, int] = {}
+        for r in running:
+            node = r.last_node
+            while node is not None and node is not self.tree.root:
+                expected[node.id] = expected.get(node.id, 0) + 1
+                node = node.parent
+        if not getattr(self.tree, "_pending", None):
+            for node in self.tree.nodes():
+                if node.lock_ref != expected.get(node.id, 0):
+                    raise AssertionError(
+                        f"lock leak: node {node.id} has lock_ref {node.lock_ref}, "
+                        f"running requests account for {expected.get(node.id, 0)}"
+                    )
         if total != self.capacity:
             raise AssertionError(
                 f"KV accounting broken: free {self.allocator.free_tokens} + owned {owned} + "
