@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -12,49 +11,6 @@ from engine.kvcache.device_pool import DeviceKVPool
 from engine.layers.attention_meta import AttentionMetadata
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-class _DecodeBucket(NamedTuple):
-    positions: torch.Tensor | None  # [b] places in the batch; None: the whole batch
-    slots: torch.Tensor  # [b * max_len] KV slots, padded with the dummy slot 0
-    mask: torch.Tensor | None  # [b, 1, 1, max_len] valid keys; None: no padding
-
-
-class _Group(NamedTuple):
-    positions: torch.Tensor
-    min_len: int
-    max_len: int
-
-
-# Split a decode batch only when that saves this many padded KV rows or more.
-_MIN_SAVED_ROWS = 1024
-
-
-def _split_by_length(lens: list[int], device: torch.device,
-                     max_groups: int = 4) -> list[_Group]:
-    """Sequences sorted by length, cut where it saves the most padded rows (O(B) per cut)."""
-    order = sorted(range(len(lens)), key=lens.__getitem__)
-    runs = [(0, len(order))]  # [start, end) over ``order``
-    while len(runs) < max_groups:
-        best = None  # (saving, run index, cut)
-        for r, (start, end) in enumerate(runs):
-            top = lens[order[end - 1]]
-            for cut in range(start + 1, end):
-                # rows saved: the shorter part pads to its own max instead of ``top``
-                saving = (cut - start) * (top - lens[order[cut - 1]])
-                if best is None or saving > best[0]:
-                    best = (saving, r, cut)
-        if best is None or best[0] < _MIN_SAVED_ROWS:
-            break
-        _, r, cut = best
-        start, end = runs[r]
-        runs[r : r + 1] = [(start, cut), (cut, end)]
-    return [
-        _Group(torch.tensor(order[start:end], dtype=torch.int64, device=device),
-               lens[order[start]], lens[order[end - 1]])
-        for start, end in runs
-    ]
-
 
 
 class AttentionBackend(abc.ABC):
@@ -99,65 +55,43 @@ class TorchAttentionBackend(AttentionBackend):
     # ---- decode: every sequence has one new token --------------------------------------
 
     @staticmethod
-    def _decode_layout(meta: AttentionMetadata) -> list[_DecodeBucket]:
-        """Buckets of sequences with similar lengths, built once per forward.
-
-        Each bucket gathers its KV padded only to its own longest sequence: one padded
-        ``[B, max_seq_len]`` gather wastes half its rows when lengths are spread out.
-        """
-        cached: Any = meta.cache.get("decode_buckets")
-        if cached is not None:
-            return cached  # type: ignore[no-any-return]
-        groups = _split_by_length(meta.seq_lens_list, meta.req_rows.device)
-        device = meta.req_table.device
-        buckets: list[_DecodeBucket] = []
-        for group in groups:
-            rows = meta.req_rows if len(groups) == 1 else meta.req_rows[group.positions]
-            seq_lens = meta.seq_lens if len(groups) == 1 else meta.seq_lens[group.positions]
-            max_len = group.max_len
-            table = meta.req_table[rows, :max_len].long()  # [b, max_len]
-            mask: torch.Tensor | None = None
-            if group.min_len != max_len:
-                cols = torch.arange(max_len, device=device)  # [max_len]
-                valid = cols[None, :] < seq_lens[:, None]  # [b, max_len]
-                # NOTE: columns past a sequence's length may hold stale slots; read the
-                # dummy slot 0 there instead, and mask those keys out.
-                table = table.masked_fill(~valid, 0)
-                mask = valid[:, None, None, :]  # [b, 1, 1, max_len]
-            positions = None if len(groups) == 1 else group.positions
-            buckets.append(_DecodeBucket(positions, table.reshape(-1), mask))
-        meta.cache["decode_buckets"] = buckets  # type: ignore[assignment]  # per-forward memo
-        return buckets
+    def _decode_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat KV slots ``[B * max_seq_len]`` and padding mask, built once per forward."""
+        slots = meta.cache.get("decode_slots")
+        if slots is not None:
+            return slots, meta.cache.get("decode_mask")
+        max_len = meta.max_seq_len
+        table = meta.req_table[meta.req_rows, :max_len].long()  # [B, max_seq_len]
+        mask: torch.Tensor | None = None
+        if min(meta.seq_lens_list) == max_len:
+            slots = table
+        else:
+            cols = torch.arange(max_len, device=table.device)  # [max_seq_len]
+            valid = cols[None, :] < meta.seq_lens[:, None]  # [B, max_seq_len]
+            # NOTE: columns past a sequence's length may hold stale slots; read the dummy
+            # slot 0 there instead, and mask those keys out.
+            slots = table.masked_fill(~valid, 0)
+            mask = valid[:, None, None, :]  # [B, 1, 1, max_seq_len]
+            meta.cache["decode_mask"] = mask
+        slots = slots.reshape(-1)
+        meta.cache["decode_slots"] = slots
+        return slots, mask
 
     def _decode(
         self, q: torch.Tensor, layer_id: int, meta: AttentionMetadata, kv_pool: DeviceKVPool
     ) -> torch.Tensor:
-        buckets = self._decode_layout(meta)
-        num_seqs, q_heads, head_dim = q.shape
-        if len(buckets) == 1:
-            return self._decode_bucket(q, buckets[0], layer_id, kv_pool)
-        out = torch.empty(num_seqs, q_heads * head_dim, dtype=q.dtype, device=q.device)
-        for bucket in buckets:
-            assert bucket.positions is not None
-            part = self._decode_bucket(q.index_select(0, bucket.positions), bucket, layer_id,
-                                       kv_pool)
-            out.index_copy_(0, bucket.positions, part)
-        return out
-
-    def _decode_bucket(self, q: torch.Tensor, bucket: _DecodeBucket, layer_id: int,
-                       kv_pool: DeviceKVPool) -> torch.Tensor:
+        slots, mask = self._decode_layout(meta)  # slots: [B * max_seq_len]
         num_seqs, q_heads, head_dim = q.shape
         kv_heads = kv_pool.kv_heads
         ctx_shape = (num_seqs, -1, kv_heads, head_dim)
         # index_select on a flat index is several times faster than advanced indexing.
-        # [b, kv_heads, max_len, head_dim]
-        k_ctx = kv_pool.k_buffers[layer_id].index_select(0, bucket.slots).view(ctx_shape)
-        v_ctx = kv_pool.v_buffers[layer_id].index_select(0, bucket.slots).view(ctx_shape)
+        # [B, kv_heads, max_seq_len, head_dim]
+        k_ctx = kv_pool.k_buffers[layer_id].index_select(0, slots).view(ctx_shape).transpose(1, 2)
+        v_ctx = kv_pool.v_buffers[layer_id].index_select(0, slots).view(ctx_shape).transpose(1, 2)
         # GQA without copying K/V: the q heads sharing one kv head act as a group of
-        # queries. [b, kv_heads, group, head_dim]
+        # queries. [B, kv_heads, group, head_dim]
         q_groups = q.view(num_seqs, kv_heads, q_heads // kv_heads, head_dim)
-        out = self._sdpa(q_groups, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), bucket.mask,
-                         causal=False)
+        out = self._sdpa(q_groups, k_ctx, v_ctx, mask, causal=False)
         return out.reshape(num_seqs, q_heads * head_dim)
 
     # ---- extend / prefill: per sequence ------------------------------------------------

@@ -86,29 +86,6 @@ def test_greedy_matches_hf(tiny_llama_dir, prompts, reference, overrides):
     assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
 
 
-def test_length_bucketed_decode_matches_hf(tiny_llama_dir, prompts, reference, monkeypatch):
-    """Decode attention split into length buckets (forced here) gives the same tokens."""
-    from engine.layers import attention
-
-    monkeypatch.setattr(attention, "_MIN_SAVED_ROWS", 1)
-    groups = attention._split_by_length([5, 40, 7, 39, 6, 41], torch.device("cpu"))
-    assert len(groups) > 1
-    assert sorted(i for g in groups for i in g.positions.tolist()) == list(range(6))
-    eng = engine_for(tiny_llama_dir)
-    num_groups: list[int] = []
-    original = attention._split_by_length
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        result = original(*args, **kwargs)
-        num_groups.append(len(result))
-        return result
-
-    monkeypatch.setattr(attention, "_split_by_length", counting)
-    outs = eng.generate(prompts, GREEDY)
-    assert max(num_groups) > 1
-    assert [o.token_ids for o in outs] == reference
-
-
 def test_retraction_keeps_greedy_output(tiny_llama_dir, prompts, reference):
     # A pool this small cannot hold all six requests' outputs at once.
     eng = engine_for(tiny_llama_dir, kv_cache_tokens=96, max_prefill_tokens=64)
