@@ -48,8 +48,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def run_multiturn(engine: Engine, name: str, clients: int, rounds: int, first_len: int,
-                  turn_len: int, out_len: int, seed: int) -> RunResult:
+def run_multiturn(
+    engine: Engine,
+    name: str,
+    clients: int,
+    rounds: int,
+    first_len: int,
+    turn_len: int,
+    out_len: int,
+    seed: int,
+) -> RunResult:
     rng = random.Random(seed)
     convos = [[rng.randrange(100, 40000) for _ in range(first_len)] for _ in range(clients)]
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
@@ -83,8 +91,11 @@ def long_prompt_ttft(engine: Engine, length: int, seed: int) -> tuple[float, flo
 
     def ttft() -> tuple[float, int, int]:
         out = engine.generate([prompt], params)[0]
-        return (out.first_token_time or 0) - out.arrival_time, out.cached_tokens_device, \
-            out.cached_tokens_host
+        return (
+            (out.first_token_time or 0) - out.arrival_time,
+            out.cached_tokens_device,
+            out.cached_tokens_host,
+        )
 
     engine.flush_cache()
     cold, _, _ = ttft()
@@ -98,11 +109,18 @@ def long_prompt_ttft(engine: Engine, length: int, seed: int) -> tuple[float, flo
 
 
 def make_engine(args: argparse.Namespace, name: str) -> Engine:
-    return Engine(EngineConfig(
-        model=args.model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_cache_tokens,
-        enable_prefix_cache=name != "no-cache", enable_hierarchical_cache=name == "hicache",
-        hicache_ratio=args.hicache_ratio, hicache_write_policy=args.write_policy,
-    ))
+    return Engine(
+        EngineConfig(
+            model=args.model,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=args.kv_cache_tokens,
+            enable_prefix_cache=name != "no-cache",
+            enable_hierarchical_cache=name == "hicache",
+            hicache_ratio=args.hicache_ratio,
+            hicache_write_policy=args.write_policy,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,31 +143,58 @@ def main(argv: list[str] | None = None) -> None:
         engine = make_engine(args, name)
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # warm-up
         engine.flush_cache()
-        results.append(run_multiturn(engine, name, args.clients, args.rounds, args.first_len,
-                                     args.turn_len, args.out_len, args.seed))
+        results.append(
+            run_multiturn(
+                engine,
+                name,
+                args.clients,
+                args.rounds,
+                args.first_len,
+                args.turn_len,
+                args.out_len,
+                args.seed,
+            )
+        )
         if name == "hicache":
             cold, device, host = long_prompt_ttft(
-                Engine(EngineConfig(model=args.model, device="cpu", dtype="float32",
-                                    kv_cache_tokens=max(4096, args.long_prompt * 2),
-                                    enable_hierarchical_cache=True)),
-                args.long_prompt, args.seed)
+                Engine(
+                    EngineConfig(
+                        model=args.model,
+                        device="cpu",
+                        dtype="float32",
+                        kv_cache_tokens=max(4096, args.long_prompt * 2),
+                        enable_hierarchical_cache=True,
+                    )
+                ),
+                args.long_prompt,
+                args.seed,
+            )
         engine.close()
-    working_set = args.clients * (args.first_len + (args.rounds - 1) * args.turn_len
-                                  + args.rounds * args.out_len)
-    print(f"multi-turn: {args.clients} clients x {args.rounds} rounds, working set "
-          f"~{working_set} tokens, device pool {args.kv_cache_tokens} tokens")
-    print(f"{'config':<10} {'hit rate':>9} {'ideal':>7} {'of ideal':>9} {'host hits':>10} "
-          f"{'mean TTFT':>10} {'out tok/s':>10} {'req/s':>7}")
+    working_set = args.clients * (
+        args.first_len + (args.rounds - 1) * args.turn_len + args.rounds * args.out_len
+    )
+    print(
+        f"multi-turn: {args.clients} clients x {args.rounds} rounds, working set "
+        f"~{working_set} tokens, device pool {args.kv_cache_tokens} tokens"
+    )
+    print(
+        f"{'config':<10} {'hit rate':>9} {'ideal':>7} {'of ideal':>9} {'host hits':>10} "
+        f"{'mean TTFT':>10} {'out tok/s':>10} {'req/s':>7}"
+    )
     for r in results:
-        print(f"{r.name:<10} {r.hit_rate:9.1%} {r.ideal_rate:7.1%} "
-              f"{r.hit_rate / max(r.ideal_rate, 1e-9):9.1%} {r.host_tokens:10d} "
-              f"{1e3 * sum(r.ttft) / len(r.ttft):8.1f}ms {r.output_tokens / r.seconds:10.1f} "
-              f"{len(r.ttft) / r.seconds:7.2f}")
+        print(
+            f"{r.name:<10} {r.hit_rate:9.1%} {r.ideal_rate:7.1%} "
+            f"{r.hit_rate / max(r.ideal_rate, 1e-9):9.1%} {r.host_tokens:10d} "
+            f"{1e3 * sum(r.ttft) / len(r.ttft):8.1f}ms {r.output_tokens / r.seconds:10.1f} "
+            f"{len(r.ttft) / r.seconds:7.2f}"
+        )
     same = all(r.outputs == results[0].outputs for r in results)
     print(f"greedy outputs identical across configs: {same}")
-    print(f"{args.long_prompt}-token prompt TTFT: cold {cold * 1e3:.0f} ms, device hit "
-          f"{device * 1e3:.1f} ms ({device / cold:.1%} of cold), host hit {host * 1e3:.1f} ms "
-          f"({host / cold:.1%} of cold)")
+    print(
+        f"{args.long_prompt}-token prompt TTFT: cold {cold * 1e3:.0f} ms, device hit "
+        f"{device * 1e3:.1f} ms ({device / cold:.1%} of cold), host hit {host * 1e3:.1f} ms "
+        f"({host / cold:.1%} of cold)"
+    )
 
 
 if __name__ == "__main__":

@@ -33,18 +33,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--pattern", choices=["random", "contiguous"], default="random",
-                        help="device slots: random whole pages, or one contiguous run")
+    parser.add_argument(
+        "--pattern",
+        choices=["random", "contiguous"],
+        default="random",
+        help="device slots: random whole pages, or one contiguous run",
+    )
     parser.add_argument("--layout", choices=["layer_first", "page_first", "both"], default="both")
-    parser.add_argument("--tokens", type=int, nargs="+",
-                        help="transfer sizes in tokens (default: 64 KiB .. 64 MiB)")
-    parser.add_argument("--min-time", type=float, default=0.1,
-                        help="seconds spent timing each cell")
-    parser.add_argument("--device-pool", choices=["split", "fused"], default="fused",
-                        help="fused: DeviceKVPool as allocated (per-layer views of one "
-                             "[2, L, S, H, D] tensor); split: one tensor per layer")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1: steadier numbers on a shared machine)")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", help="transfer sizes in tokens (default: 64 KiB .. 64 MiB)"
+    )
+    parser.add_argument(
+        "--min-time", type=float, default=0.1, help="seconds spent timing each cell"
+    )
+    parser.add_argument(
+        "--device-pool",
+        choices=["split", "fused"],
+        default="fused",
+        help="fused: DeviceKVPool as allocated (per-layer views of one "
+        "[2, L, S, H, D] tensor); split: one tensor per layer",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: steadier numbers on a shared machine)",
+    )
     return parser.parse_args(argv)
 
 
@@ -72,13 +86,15 @@ def scattered_slots(num_tokens: int, num_slots: int, page_size: int) -> torch.Te
     return slots[:num_tokens]
 
 
-def copy_back(host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor,
-              host_slots: torch.Tensor) -> None:
+def copy_back(
+    host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor
+) -> None:
     host.backup(pool, device_slots, host_slots, non_blocking=host.pinned)
 
 
-def copy_load(host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor,
-              host_slots: torch.Tensor) -> None:
+def copy_load(
+    host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor
+) -> None:
     host.load(pool, host_slots, device_slots, non_blocking=host.pinned)
 
 
@@ -86,11 +102,20 @@ def plain_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-def bench_layout(args: argparse.Namespace, spec: DeviceSpec, pool: DeviceKVPool,
-                 layout: str, counts: list[int]) -> list[tuple[str, int, float, float]]:
+def bench_layout(
+    args: argparse.Namespace, spec: DeviceSpec, pool: DeviceKVPool, layout: str, counts: list[int]
+) -> list[tuple[str, int, float, float]]:
     """(direction, bytes, copy seconds, limit seconds) for each transfer size."""
-    host = HostKVPool(pool.num_layers, max(counts) + args.page_size, pool.kv_heads,
-                      pool.head_dim, pool.dtype, spec, layout=layout, page_size=args.page_size)
+    host = HostKVPool(
+        pool.num_layers,
+        max(counts) + args.page_size,
+        pool.kv_heads,
+        pool.head_dim,
+        pool.dtype,
+        spec,
+        layout=layout,
+        page_size=args.page_size,
+    )
     limit_bytes = max(counts) * host.bytes_per_token
     host_buffer = torch.empty(limit_bytes, dtype=torch.uint8, pin_memory=host.pinned)
     device_buffer = torch.empty(limit_bytes, dtype=torch.uint8, device=pool.device)
@@ -106,13 +131,25 @@ def bench_layout(args: argparse.Namespace, spec: DeviceSpec, pool: DeviceKVPool,
         host_slots = allocated[:count]
         to_host, to_device = device_buffer[:nbytes], host_buffer[:nbytes]
         for direction, copy, limit in (
-            ("backup", partial(copy_back, host, pool, device_slots, host_slots),
-             partial(plain_copy, to_device, to_host)),
-            ("load", partial(copy_load, host, pool, device_slots, host_slots),
-             partial(plain_copy, to_host, to_device)),
+            (
+                "backup",
+                partial(copy_back, host, pool, device_slots, host_slots),
+                partial(plain_copy, to_device, to_host),
+            ),
+            (
+                "load",
+                partial(copy_load, host, pool, device_slots, host_slots),
+                partial(plain_copy, to_host, to_device),
+            ),
         ):
-            rows.append((direction, nbytes, best_time(copy, spec, args.min_time),
-                         best_time(limit, spec, args.min_time)))
+            rows.append(
+                (
+                    direction,
+                    nbytes,
+                    best_time(copy, spec, args.min_time),
+                    best_time(limit, spec, args.min_time),
+                )
+            )
         host.free(allocated)
     host.close()
     return rows
@@ -127,31 +164,44 @@ def main(argv: list[str] | None = None) -> None:
     token_bytes = DeviceKVPool.token_bytes(args.layers, args.kv_heads, args.head_dim, dtype)
     counts = args.tokens or [max(1, round(size / token_bytes)) for size in SIZES]
     layouts = ["layer_first", "page_first"] if args.layout == "both" else [args.layout]
-    pool = DeviceKVPool(args.layers, 2 * max(counts) + args.page_size + 1, args.kv_heads,
-                        args.head_dim, dtype, to_torch_device(spec))
+    pool = DeviceKVPool(
+        args.layers,
+        2 * max(counts) + args.page_size + 1,
+        args.kv_heads,
+        args.head_dim,
+        dtype,
+        to_torch_device(spec),
+    )
     if args.device_pool == "split":
         pool.k_buffers = [b.clone() for b in pool.k_buffers]
         pool.v_buffers = [b.clone() for b in pool.v_buffers]
     for buffer in (*pool.k_buffers, *pool.v_buffers):
         buffer.normal_()
-    print(f"device {spec}, dtype {str(dtype).removeprefix('torch.')}, {args.layers} layers x "
-          f"{args.kv_heads} KV heads x {args.head_dim}, {token_bytes} B/token, page size "
-          f"{args.page_size}, {args.pattern} device slots, {args.device_pool} device pool, "
-          f"{torch.get_num_threads()} CPU threads")
-    header = (f"{'layout':<12} {'direction':<9} {'bytes':>9} {'tokens':>7} "
-              f"{'copy GB/s':>10} {'limit GB/s':>11} {'ratio':>6}")
+    print(
+        f"device {spec}, dtype {str(dtype).removeprefix('torch.')}, {args.layers} layers x "
+        f"{args.kv_heads} KV heads x {args.head_dim}, {token_bytes} B/token, page size "
+        f"{args.page_size}, {args.pattern} device slots, {args.device_pool} device pool, "
+        f"{torch.get_num_threads()} CPU threads"
+    )
+    header = (
+        f"{'layout':<12} {'direction':<9} {'bytes':>9} {'tokens':>7} "
+        f"{'copy GB/s':>10} {'limit GB/s':>11} {'ratio':>6}"
+    )
     print(header)
     print("-" * len(header))
     worst_large = float("inf")
     for layout in layouts:
-        for direction, nbytes, copy_time, limit_time in bench_layout(args, spec, pool, layout,
-                                                                     counts):
+        for direction, nbytes, copy_time, limit_time in bench_layout(
+            args, spec, pool, layout, counts
+        ):
             ratio = limit_time / copy_time
             if nbytes >= 1 << 20:
                 worst_large = min(worst_large, ratio)
-            print(f"{layout:<12} {direction:<9} {format_bytes(nbytes):>9} "
-                  f"{nbytes // token_bytes:>7} {nbytes / copy_time / 1e9:>10.2f} "
-                  f"{nbytes / limit_time / 1e9:>11.2f} {ratio:>6.2f}")
+            print(
+                f"{layout:<12} {direction:<9} {format_bytes(nbytes):>9} "
+                f"{nbytes // token_bytes:>7} {nbytes / copy_time / 1e9:>10.2f} "
+                f"{nbytes / limit_time / 1e9:>11.2f} {ratio:>6.2f}"
+            )
     if worst_large != float("inf"):
         verdict = "meets" if worst_large >= 0.8 else "misses"
         print(f"lowest ratio for transfers >= 1 MiB: {worst_large:.2f} ({verdict} the 0.8 goal)")

@@ -20,11 +20,15 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 
 
-def make_workload(n: int, seed: int, vocab: tuple[int, int], prompt_lens: tuple[int, int],
-                  output_lens: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
+def make_workload(
+    n: int,
+    seed: int,
+    vocab: tuple[int, int],
+    prompt_lens: tuple[int, int],
+    output_lens: tuple[int, int],
+) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(*prompt_lens))]
-               for _ in range(n)]
+    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
     out_lens = [rng.randint(*output_lens) for _ in range(n)]
     return prompts, out_lens
 
@@ -39,18 +43,23 @@ def run_engine(engine: Engine, prompts: list[list[int]], out_lens: list[int]) ->
     return sum(out_lens) / elapsed
 
 
-def run_hf(model: Any, prompts: list[list[int]], out_lens: list[int],
-           pad_id: int) -> float:
+def run_hf(model: Any, prompts: list[list[int]], out_lens: list[int], pad_id: int) -> float:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(out_lens),
-                       min_new_tokens=max(out_lens), do_sample=False, pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max(out_lens),
+            min_new_tokens=max(out_lens),
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
     return sum(out_lens) / (time.perf_counter() - start)
 
 
@@ -59,8 +68,10 @@ def step_overhead(engine: Engine, prompts: list[list[int]], steps: int = 40) -> 
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
-    while any(r.kv_len < r.seq_len - 1 or not r.output_ids for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+    while (
+        any(r.kv_len < r.seq_len - 1 or not r.output_ids for r in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     forward_time = 0.0
     original = engine.model.forward
@@ -87,32 +98,56 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(8, 64),
-                        metavar=("MIN", "MAX"), help="prompt length range in tokens")
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128),
-                        metavar=("MIN", "MAX"), help="output length range in tokens")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=(8, 64),
+        metavar=("MIN", "MAX"),
+        help="prompt length range in tokens",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=(16, 128),
+        metavar=("MIN", "MAX"),
+        help="output length range in tokens",
+    )
     parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="only measure the engine")
     args = parser.parse_args(argv)
 
     torch.set_grad_enabled(False)
-    engine = Engine(EngineConfig(model=args.model, device="cpu", dtype="float32",
-                                 kv_cache_tokens=32768, max_running_requests=64,
-                                 enable_prefix_cache=False))
-    prompts, out_lens = make_workload(args.num_requests, args.seed, (100, 40000),
-                                      tuple(args.prompt_len), tuple(args.output_len))
-    print(f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
-          f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, fp32")
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=32768,
+            max_running_requests=64,
+            enable_prefix_cache=False,
+        )
+    )
+    prompts, out_lens = make_workload(
+        args.num_requests, args.seed, (100, 40000), tuple(args.prompt_len), tuple(args.output_len)
+    )
+    print(
+        f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
+        f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, fp32"
+    )
     run_engine(engine, prompts[:2], [4, 4])  # warm-up
     engine_batch = run_engine(engine, prompts, out_lens)
     engine_single = run_engine(engine, prompts[:1], [args.single_tokens])
     step_s, overhead_s = step_overhead(engine, prompts)
     print(f"engine  batch of {args.num_requests}: {engine_batch:8.1f} output tok/s")
     print(f"engine  single stream:   {engine_single:8.1f} output tok/s")
-    print(f"engine  decode step at {args.num_requests} running: {step_s * 1e3:.1f} ms, "
-          f"of which outside the forward {overhead_s * 1e3:.2f} ms "
-          f"({100 * overhead_s / step_s:.1f}%)")
+    print(
+        f"engine  decode step at {args.num_requests} running: {step_s * 1e3:.1f} ms, "
+        f"of which outside the forward {overhead_s * 1e3:.2f} ms "
+        f"({100 * overhead_s / step_s:.1f}%)"
+    )
     if args.skip_hf:
         return
     from transformers import AutoModelForCausalLM

@@ -73,8 +73,13 @@ class EngineConfig(SchedulerConfig):
         _check_choice("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
         _check_choice("hicache_mem_layout", self.hicache_mem_layout, HICACHE_MEM_LAYOUTS)
         _check_choice("hicache_host_alloc", self.hicache_host_alloc, HICACHE_HOST_ALLOC)
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens",
-                     "chunked_prefill_size", "max_waiting_requests"):
+        for name in (
+            "page_size",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "chunked_prefill_size",
+            "max_waiting_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:

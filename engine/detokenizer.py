@@ -49,9 +49,7 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        text: str = self.tokenizer.decode(
-            token_ids, skip_special_tokens=self.skip_special_tokens
-        )
+        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return text
 
     def add(self, token_ids: list[int]) -> str:

@@ -44,27 +44,47 @@ class Engine:
         self.model = loader.load_model(self.model_path, self.device, self.dtype)
         self.vocab_size: int = self.hf_config.vocab_size
         context: Any = config.max_model_len or getattr(
-            self.hf_config, "max_position_embeddings", 2048)
+            self.hf_config, "max_position_embeddings", 2048
+        )
         self.max_model_len = int(context)
         self.served_model_name = config.served_model_name or _default_served_name(
-            config.model, self.model_path)
+            config.model, self.model_path
+        )
         self.eos_token_ids = self._eos_ids()
 
-        self.kv: KVSetup = build_kv(config, self.hf_config, self.device_spec, self.device,
-                                    self.dtype, self.max_model_len)
+        self.kv: KVSetup = build_kv(
+            config, self.hf_config, self.device_spec, self.device, self.dtype, self.max_model_len
+        )
         self.scheduler = Scheduler(config, self.kv.manager, self.max_model_len)
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
-        self.runner = ModelRunner(self.model, self.kv.device_pool, self.kv.req_table,
-                                  self.sampler, self.device, self.eos_token_ids)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv.device_pool,
+            self.kv.req_table,
+            self.sampler,
+            self.device,
+            self.eos_token_ids,
+        )
         self.requests: dict[str, Req] = {}
         self.counters: dict[str, int] = dict.fromkeys(
-            ("prompt_tokens_total", "generation_tokens_total", "cached_tokens_device_total",
-             "cached_tokens_host_total", "requests_finished_total"), 0)
+            (
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "cached_tokens_device_total",
+                "cached_tokens_host_total",
+                "requests_finished_total",
+            ),
+            0,
+        )
         self.check_invariants = False  # tests turn this on: accounting checked every step
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d "
-            "max_model_len=%d", self.model_path, self.device_spec, str(self.dtype)[6:],
-            self.kv.manager.capacity, config.page_size, self.max_model_len,
+            "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d max_model_len=%d",
+            self.model_path,
+            self.device_spec,
+            str(self.dtype)[6:],
+            self.kv.manager.capacity,
+            config.page_size,
+            self.max_model_len,
         )
 
     def _eos_ids(self) -> set[int]:
@@ -104,7 +124,9 @@ class Engine:
         params.validate(self.vocab_size, self.config.max_stop_strings)
 
     def add_request(
-        self, prompt: PromptType, params: SamplingParams | None = None,
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
         params = params or SamplingParams()
@@ -154,8 +176,9 @@ class Engine:
             self.kv.manager.check_invariants(self.scheduler.running)
         return outputs
 
-    def _postprocess(self, batch: ScheduledBatch, tokens: list[int],
-                     logprobs: Sequence[object]) -> list[RequestOutput]:
+    def _postprocess(
+        self, batch: ScheduledBatch, tokens: list[int], logprobs: Sequence[object]
+    ) -> list[RequestOutput]:
         outputs = []
         sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
         now = time.monotonic()
@@ -231,14 +254,19 @@ class Engine:
         logger.info(
             "prefill batch: %d reqs, %d new tokens, cached %d device / %d host, "
             "running %d, waiting %d, %.0f tok/s",
-            len(batch.reqs), new, sum(r.cached_device for r in batch.reqs),
-            sum(r.cached_host for r in batch.reqs), len(self.scheduler.running),
-            len(self.scheduler.waiting), new / max(seconds, 1e-9),
+            len(batch.reqs),
+            new,
+            sum(r.cached_device for r in batch.reqs),
+            sum(r.cached_host for r in batch.reqs),
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            new / max(seconds, 1e-9),
         )
 
     # ------------------------------------------------------------------ offline
     def generate(
-        self, prompts: Sequence[PromptType],
+        self,
+        prompts: Sequence[PromptType],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion together; outputs in prompt order."""

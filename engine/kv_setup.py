@@ -41,15 +41,24 @@ class KVSetup:
         if stats is not None:
             return dict(stats())
         return {
-            "host_total": 0, "host_free": 0, "host_cached": 0,
-            "evicted_host_tokens_total": 0, "backup_tokens_total": 0, "backup_bytes_total": 0,
-            "loadback_tokens_total": 0, "loadback_bytes_total": 0,
+            "host_total": 0,
+            "host_free": 0,
+            "host_cached": 0,
+            "evicted_host_tokens_total": 0,
+            "backup_tokens_total": 0,
+            "backup_bytes_total": 0,
+            "loadback_tokens_total": 0,
+            "loadback_bytes_total": 0,
         }
 
     def host_health(self) -> dict[str, object]:
         if self.host_pool is None:
-            return {"hicache": False, "host_total_tokens": 0,
-                    "host_alloc_method": None, "pinned": False}
+            return {
+                "hicache": False,
+                "host_total_tokens": 0,
+                "host_alloc_method": None,
+                "pinned": False,
+            }
         return {
             "hicache": True,
             "host_total_tokens": self.host_pool.capacity,
@@ -79,8 +88,14 @@ def kv_pool_tokens(config: EngineConfig, spec: platform.DeviceSpec, bytes_per_to
     return tokens
 
 
-def build_kv(config: EngineConfig, hf_config: Any, spec: platform.DeviceSpec,
-             device: torch.device, dtype: torch.dtype, max_model_len: int) -> KVSetup:
+def build_kv(
+    config: EngineConfig,
+    hf_config: Any,
+    spec: platform.DeviceSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> KVSetup:
     num_layers = int(hf_config.num_hidden_layers)
     num_heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)

@@ -58,8 +58,9 @@ class ModelRunner:
         positions: list[int] = []
         for req, start, n in zip(batch.reqs, batch.starts, batch.extend_lens):
             if n == 1:
-                ids.append(req.output_ids[-1] if start >= len(req.prompt_ids) else
-                           req.prompt_ids[start])
+                ids.append(
+                    req.output_ids[-1] if start >= len(req.prompt_ids) else req.prompt_ids[start]
+                )
                 positions.append(start)
             else:
                 ids.extend(req.all_ids[start : start + n])

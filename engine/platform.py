@@ -174,8 +174,10 @@ def resolve_device(device: str | torch.device | DeviceSpec) -> DeviceSpec:
             )
         spec = DeviceSpec("cuda", spec.index)  # ROCm torch calls its devices "cuda"
     if not is_backend_available(spec.type):
-        hint = {"musa": " (is torch_musa installed and MUSA_VISIBLE_DEVICES set?)",
-                "npu": " (is torch_npu installed?)"}.get(spec.type, "")
+        hint = {
+            "musa": " (is torch_musa installed and MUSA_VISIBLE_DEVICES set?)",
+            "npu": " (is torch_npu installed?)",
+        }.get(spec.type, "")
         raise RuntimeError(
             f"device {str(device)!r} was requested but the {spec.type} backend is not "
             f"available{hint}; use --device auto to pick what is present, or --device cpu"
@@ -223,17 +225,26 @@ def host_alloc_method(device: str | torch.device | DeviceSpec, requested: str = 
         )
     default = _HOST_ALLOC_BY_TYPE.get(kind)
     if default is None:
-        _warn_once(f"unknown:{kind}", f"unknown device type {kind!r}: the host KV tier uses "
-                   "pageable memory (no pinning, slower host<->device copies)")
+        _warn_once(
+            f"unknown:{kind}",
+            f"unknown device type {kind!r}: the host KV tier uses "
+            "pageable memory (no pinning, slower host<->device copies)",
+        )
         return "pageable"
     if default == "pageable":
         if requested != "auto":
-            _warn_once(f"nopin:{kind}", f"pinned host memory is not supported on {kind}; "
-                       "the host KV tier uses pageable memory")
+            _warn_once(
+                f"nopin:{kind}",
+                f"pinned host memory is not supported on {kind}; "
+                "the host KV tier uses pageable memory",
+            )
         return "pageable"
     if not is_backend_available(kind):
-        _warn_once(f"unavailable:{kind}", f"the {kind} backend is not available, so host "
-                   "memory cannot be pinned; the host KV tier uses pageable memory")
+        _warn_once(
+            f"unavailable:{kind}",
+            f"the {kind} backend is not available, so host "
+            "memory cannot be pinned; the host KV tier uses pageable memory",
+        )
         return "pageable"
     return "host_register" if requested == "host_register" else "pin_memory"
 
@@ -263,7 +274,9 @@ class HostAllocation:
 
 
 def alloc_host(
-    shape: Sequence[int], dtype: torch.dtype, device: str | torch.device | DeviceSpec,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: str | torch.device | DeviceSpec,
     method: str,
 ) -> HostAllocation:
     """Allocate a host tensor with ``method``; pinning failures fall back to pageable."""
@@ -275,11 +288,15 @@ def alloc_host(
         # NOTE: pin_memory=True pins for the current accelerator (torch >= 2.3 asks the
         # CUDA, XPU or PrivateUse1 hooks; torch_musa and torch_npu are PrivateUse1).
         try:
-            return HostAllocation(torch.empty(size, dtype=dtype, pin_memory=True),
-                                  "pin_memory", True)
+            return HostAllocation(
+                torch.empty(size, dtype=dtype, pin_memory=True), "pin_memory", True
+            )
         except Exception as exc:
-            _warn_once("pin_failed", f"pinning the host KV tier on {kind} failed ({exc}); "
-                       "using pageable memory (pinned: false)")
+            _warn_once(
+                "pin_failed",
+                f"pinning the host KV tier on {kind} failed ({exc}); "
+                "using pageable memory (pinned: false)",
+            )
             return HostAllocation(torch.empty(size, dtype=dtype), "pageable", False)
     if method == "host_register":
         if kind != "cuda" or is_rocm():
@@ -292,8 +309,11 @@ def alloc_host(
         except Exception as exc:
             rc, reason = -1, str(exc)
         if rc != 0:
-            _warn_once("register_failed", f"cudaHostRegister of {nbytes / 1e9:.2f} GB failed "
-                       f"({reason}); using pageable memory (pinned: false)")
+            _warn_once(
+                "register_failed",
+                f"cudaHostRegister of {nbytes / 1e9:.2f} GB failed "
+                f"({reason}); using pageable memory (pinned: false)",
+            )
             return HostAllocation(tensor, "pageable", False)
         return HostAllocation(tensor, "host_register", True, registered_ptr=tensor.data_ptr())
     raise ValueError(f"unknown host allocation method {method!r}; one of {HOST_ALLOC_METHODS}")
@@ -365,12 +385,14 @@ def _cgroup_headroom(root: Path, self_cgroup: Path) -> list[int]:
 
 
 def available_host_memory(
-    meminfo: str | Path | None = None, cgroup_root: str | Path | None = None,
+    meminfo: str | Path | None = None,
+    cgroup_root: str | Path | None = None,
     self_cgroup: str | Path | None = None,
 ) -> int:
     """Bytes this process can still allocate: min(MemAvailable, cgroup v1/v2 headroom)."""
-    known = _cgroup_headroom(Path(cgroup_root or CGROUP_ROOT),
-                             Path(self_cgroup or SELF_CGROUP_PATH))
+    known = _cgroup_headroom(
+        Path(cgroup_root or CGROUP_ROOT), Path(self_cgroup or SELF_CGROUP_PATH)
+    )
     mem_available = _meminfo_available(Path(meminfo or MEMINFO_PATH))
     if mem_available is not None:
         known.append(mem_available)
@@ -397,9 +419,13 @@ def check_host_memory(
 
 
 _DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 # MUSA compute capability of the first bf16-capable generation (S4000, QY2 = mp_22);
 # S80/S3000 report (2, 1), S5000 (3, 1).
@@ -435,8 +461,10 @@ def parse_dtype(name: str, spec: DeviceSpec) -> torch.dtype:
     if key == "auto":
         return default_dtype(spec)
     if key not in _DTYPE_NAMES:
-        raise ValueError(f"dtype {name!r} is not valid; choose auto, float32, float16 or "
-                         "bfloat16 (or fp32, fp16, bf16)")
+        raise ValueError(
+            f"dtype {name!r} is not valid; choose auto, float32, float16 or "
+            "bfloat16 (or fp32, fp16, bf16)"
+        )
     return _DTYPE_NAMES[key]
 
 

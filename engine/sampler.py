@@ -104,9 +104,7 @@ class Sampler:
             greedy_idx = torch.tensor(greedy_rows, device=logits.device)
             sample_idx = torch.tensor(sample_rows, device=logits.device)
             token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
-            token_ids[sample_idx] = self._sample(
-                logits[sample_idx], [reqs[b] for b in sample_rows]
-            )
+            token_ids[sample_idx] = self._sample(logits[sample_idx], [reqs[b] for b in sample_rows])
         logprobs = self._logprobs(raw_logits, token_ids, reqs)
         return SamplerOutput(token_ids.tolist(), logprobs)
 

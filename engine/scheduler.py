@@ -47,7 +47,10 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
         new_token_ratio: float = 0.5,
     ) -> None:
         self.config = config
@@ -211,8 +214,13 @@ class Scheduler:
         if not ready:
             return None
         return ScheduledBatch(
-            True, ready, [r.kv_len - 1 for r in ready], [1] * len(ready),
-            torch.cat(slots), [True] * len(ready), retracted,
+            True,
+            ready,
+            [r.kv_len - 1 for r in ready],
+            [1] * len(ready),
+            torch.cat(slots),
+            [True] * len(ready),
+            retracted,
         )
 
     def _retract(self, req: Req) -> None:

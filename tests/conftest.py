@@ -38,11 +38,19 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, arch: str = "llama", **over
 
     torch.manual_seed(1234)
     common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
         # Larger weights than the usual 0.02 make the logits peaked, so greedy argmax is
         # not decided by float rounding noise between batch shapes.
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
     common.update(overrides)
     if arch == "qwen2":

@@ -48,8 +48,15 @@ class HiRadixCache(RadixCache):
         self._loads_inflight: list[Any] = []  # kept referenced until the copy is done
         self.host_cached_tokens = 0
         self.counters = dict.fromkeys(
-            ("evicted_host_tokens_total", "backup_tokens_total", "backup_bytes_total",
-             "loadback_tokens_total", "loadback_bytes_total"), 0)
+            (
+                "evicted_host_tokens_total",
+                "backup_tokens_total",
+                "backup_bytes_total",
+                "loadback_tokens_total",
+                "loadback_bytes_total",
+            ),
+            0,
+        )
         super().__init__(allocator, enabled=True)
 
     def reset(self) -> None:
@@ -151,8 +158,13 @@ class HiRadixCache(RadixCache):
             freed += len(node.key)
             self._free_host(node)
             RadixCache._delete(self, node)
-            if (parent is not None and parent is not self.root and parent.value is None
-                    and not parent.children and parent.lock_ref == 0):
+            if (
+                parent is not None
+                and parent is not self.root
+                and parent.value is None
+                and not parent.children
+                and parent.lock_ref == 0
+            ):
                 heapq.heappush(heap, parent)
         self.counters["evicted_host_tokens_total"] += freed
         return freed
@@ -231,7 +243,9 @@ class HiRadixCache(RadixCache):
 
 
 def build_hicache(
-    config: EngineConfig, allocator: PageAllocator, device_pool: DeviceKVPool,
+    config: EngineConfig,
+    allocator: PageAllocator,
+    device_pool: DeviceKVPool,
     spec: platform.DeviceSpec,
 ) -> tuple[HiRadixCache, HostKVPool]:
     """Size the host tier (--hicache-size GB, else --hicache-ratio x device pool)."""
@@ -242,16 +256,31 @@ def build_hicache(
         host_tokens = int(allocator.capacity * config.hicache_ratio)
     host_tokens = max(host_tokens - host_tokens % allocator.page_size, allocator.page_size)
     host_pool = HostKVPool(
-        device_pool.num_layers, host_tokens, device_pool.kv_heads, device_pool.head_dim,
-        device_pool.dtype, spec, layout=config.hicache_mem_layout,
-        page_size=allocator.page_size, alloc_method=config.hicache_host_alloc,
+        device_pool.num_layers,
+        host_tokens,
+        device_pool.kv_heads,
+        device_pool.head_dim,
+        device_pool.dtype,
+        spec,
+        layout=config.hicache_mem_layout,
+        page_size=allocator.page_size,
+        alloc_method=config.hicache_host_alloc,
     )
     logger.info(
         "HiCache host tier: %d tokens (%.2f GB), layout %s, write policy %s, "
-        "allocation %s, pinned %s", host_tokens, host_tokens * per_token / 1e9,
-        config.hicache_mem_layout, config.hicache_write_policy, host_pool.method,
+        "allocation %s, pinned %s",
+        host_tokens,
+        host_tokens * per_token / 1e9,
+        config.hicache_mem_layout,
+        config.hicache_write_policy,
+        host_pool.method,
         host_pool.pinned,
     )
-    tree = HiRadixCache(allocator, device_pool, host_pool, config.hicache_write_policy,
-                        config.hicache_load_threshold)
+    tree = HiRadixCache(
+        allocator,
+        device_pool,
+        host_pool,
+        config.hicache_write_policy,
+        config.hicache_load_threshold,
+    )
     return tree, host_pool

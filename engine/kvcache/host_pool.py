@@ -38,16 +38,19 @@ class HostKVPool:
         if layout not in HOST_LAYOUTS:
             raise ValueError(f"host KV layout {layout!r} is not valid; one of {HOST_LAYOUTS}")
         if page_size < 1 or num_tokens < page_size:
-            raise ValueError(f"the host KV pool needs at least one page of {page_size} tokens, "
-                             f"got num_tokens={num_tokens}")
+            raise ValueError(
+                f"the host KV pool needs at least one page of {page_size} tokens, "
+                f"got num_tokens={num_tokens}"
+            )
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device, self.layout, self.page_size = dtype, device, layout, page_size
         self.num_pages = num_tokens // page_size
         self.capacity = self.num_pages * page_size
         self.bytes_per_token = DeviceKVPool.token_bytes(num_layers, kv_heads, head_dim, dtype)
         self.nbytes = self.capacity * self.bytes_per_token
-        check_host_memory(self.nbytes, "the HiCache host KV pool",
-                          "--hicache-size or --hicache-ratio")
+        check_host_memory(
+            self.nbytes, "the HiCache host KV pool", "--hicache-size or --hicache-ratio"
+        )
         method = host_alloc_method(device, alloc_method)
         if layout == "layer_first":
             shape = (2, num_layers, self.capacity, kv_heads, head_dim)
@@ -88,7 +91,7 @@ class HostKVPool:
         if num_pages > self._num_free:
             return None
         top = self._num_free
-        page_ids = self._free_pages[top - num_pages:top].flip(0)
+        page_ids = self._free_pages[top - num_pages : top].flip(0)
         self._num_free -= num_pages
         self._page_free[page_ids] = False
         return (page_ids[:, None] * self.page_size + self._offsets).reshape(-1)
@@ -99,8 +102,9 @@ class HostKVPool:
         if slots.numel() == 0:
             return
         if slots.numel() % self.page_size:
-            raise ValueError(f"freeing {slots.numel()} host slots: not whole pages of "
-                             f"{self.page_size}")
+            raise ValueError(
+                f"freeing {slots.numel()} host slots: not whole pages of {self.page_size}"
+            )
         pages = slots.view(-1, self.page_size)  # [num_pages, page_size]
         page_ids = pages[:, 0] // self.page_size
         whole = (pages == page_ids[:, None] * self.page_size + self._offsets).all()
@@ -114,13 +118,14 @@ class HostKVPool:
         n = page_ids.numel()
         # Pushed in descending order so the next alloc pops them in ascending order: pages
         # freed together come back as one run of consecutive slots (fewer, larger copies).
-        self._free_pages[self._num_free:self._num_free + n] = page_ids.sort(descending=True)[0]
+        self._free_pages[self._num_free : self._num_free + n] = page_ids.sort(descending=True)[0]
         self._num_free += n
 
     # ------------------------------------------------------------ copies
 
-    def _pairs(self, device_pool: DeviceKVPool,
-               layers: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pairs(
+        self, device_pool: DeviceKVPool, layers: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device ``[S, H, D]``, host ``[N, H, D]``) buffers of K, then V, of ``layers``."""
         split = 0 if self.layout == "layer_first" else 1  # page_first views are strided
         host = [self.kv_buffer[kv].unbind(split) for kv in range(2)]
@@ -140,9 +145,13 @@ class HostKVPool:
             return [(base.flatten(0, 1), self.kv_buffer.flatten(0, 1))]
         return [(base[kv], self.kv_buffer[kv].transpose(0, 1)) for kv in range(2)]
 
-    def _plan_direct(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-                     device_slots: torch.Tensor,
-                     all_layers: bool) -> tuple[list[SlotRun], torch.Tensor | None]:
+    def _plan_direct(
+        self,
+        device_pool: DeviceKVPool,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        all_layers: bool,
+    ) -> tuple[list[SlotRun], torch.Tensor | None]:
         """Runs for a CPU copy, and the fused device tensor when it can be used. With it,
         a run costs one or two copies whatever the layer count, so runs are also split
         where device slots jump (e.g. at page boundaries) unless they get too short."""
@@ -153,16 +162,23 @@ class HostKVPool:
                 return runs, base
         return plan_runs(host_slots, device_slots), base
 
-    def _check(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-               device_slots: torch.Tensor) -> torch.Tensor:
+    def _check(
+        self, device_pool: DeviceKVPool, host_slots: torch.Tensor, device_slots: torch.Tensor
+    ) -> torch.Tensor:
         ours = (self.num_layers, self.kv_heads, self.head_dim, self.dtype)
-        theirs = (device_pool.num_layers, device_pool.kv_heads, device_pool.head_dim,
-                  device_pool.dtype)
+        theirs = (
+            device_pool.num_layers,
+            device_pool.kv_heads,
+            device_pool.head_dim,
+            device_pool.dtype,
+        )
         if ours != theirs:
             raise ValueError(f"host pool geometry {ours} differs from the device pool {theirs}")
         if host_slots.numel() != device_slots.numel():
-            raise ValueError(f"{host_slots.numel()} host slots vs {device_slots.numel()} "
-                             "device slots: a copy needs one of each per token")
+            raise ValueError(
+                f"{host_slots.numel()} host slots vs {device_slots.numel()} "
+                "device slots: a copy needs one of each per token"
+            )
         return host_slots.reshape(-1).to("cpu", torch.int64)
 
     def _staged(self, device_pool: DeviceKVPool) -> bool:
@@ -172,8 +188,13 @@ class HostKVPool:
         step = max(self.page_size, _STAGE_BYTES // max(bytes_per_token, 1))
         return [(s, min(s + step, n)) for s in range(0, n, step)]
 
-    def backup(self, device_pool: DeviceKVPool, device_slots: torch.Tensor,
-               host_slots: torch.Tensor, non_blocking: bool = False) -> None:
+    def backup(
+        self,
+        device_pool: DeviceKVPool,
+        device_slots: torch.Tensor,
+        host_slots: torch.Tensor,
+        non_blocking: bool = False,
+    ) -> None:
         """Copy K/V of ``device_slots`` (all layers) into ``host_slots``."""
         host_slots = self._check(device_pool, host_slots, device_slots)
         if host_slots.numel() == 0:
@@ -181,14 +202,17 @@ class HostKVPool:
         if not self._staged(device_pool):
             self._backup_direct(device_pool, device_slots.reshape(-1).to(torch.int64), host_slots)
             return
-        device_slots = device_slots.reshape(-1).to(device_pool.device, torch.int64,
-                                                   non_blocking=True)
+        device_slots = device_slots.reshape(-1).to(
+            device_pool.device, torch.int64, non_blocking=True
+        )
         for start, end in self._chunks(host_slots.numel(), self.bytes_per_token):
-            self._backup_staged(device_pool, device_slots[start:end], host_slots[start:end],
-                                non_blocking)
+            self._backup_staged(
+                device_pool, device_slots[start:end], host_slots[start:end], non_blocking
+            )
 
-    def _backup_direct(self, device_pool: DeviceKVPool, device_slots: torch.Tensor,
-                       host_slots: torch.Tensor) -> None:
+    def _backup_direct(
+        self, device_pool: DeviceKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor
+    ) -> None:
         """CPU pool: copy straight from the device buffers, one pass over the bytes."""
         runs, base = self._plan_direct(device_pool, host_slots, device_slots, True)
         many_runs = fragmented(runs, host_slots.numel())
@@ -212,7 +236,7 @@ class HostKVPool:
                     dsts.extend(dst[host_part] for _, dst in pairs)
                     srcs.extend(src[device_part] for src, _ in pairs)
                 continue
-            index = device_slots[run.offset:run.offset + run.length]
+            index = device_slots[run.offset : run.offset + run.length]
             for src, dst in pairs:  # gather straight into the host run
                 out = dst[host_part]
                 if out.is_contiguous():
@@ -221,14 +245,22 @@ class HostKVPool:
                     out.copy_(src.index_select(0, index))
         copy_all(dsts, srcs)
 
-    def _backup_staged(self, device_pool: DeviceKVPool, device_slots: torch.Tensor,
-                       host_slots: torch.Tensor, non_blocking: bool) -> None:
+    def _backup_staged(
+        self,
+        device_pool: DeviceKVPool,
+        device_slots: torch.Tensor,
+        host_slots: torch.Tensor,
+        non_blocking: bool,
+    ) -> None:
         """Accelerator pool: gather on the device into the host layout, then one DMA per
         host run (per layer for layer_first, all layers at once for page_first)."""
         n, layer_first = host_slots.numel(), self.layout == "layer_first"
         geometry = (self.kv_heads, self.head_dim)
-        shape = ((2, self.num_layers, n, *geometry) if layer_first
-                 else (2, n, self.num_layers, *geometry))
+        shape = (
+            (2, self.num_layers, n, *geometry)
+            if layer_first
+            else (2, n, self.num_layers, *geometry)
+        )
         stage = torch.empty(shape, dtype=self.dtype, device=device_pool.device)
         base = self._fused(device_pool)
         if base is not None and layer_first:  # one gather kernel for every layer
@@ -261,22 +293,45 @@ class HostKVPool:
                     srcs.append(stage[kv, stage_part])
         copy_all(dsts, srcs, non_blocking)
 
-    def load_layer(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-                   device_slots: torch.Tensor, layer: int, non_blocking: bool = False) -> None:
+    def load_layer(
+        self,
+        device_pool: DeviceKVPool,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        layer: int,
+        non_blocking: bool = False,
+    ) -> None:
         """Copy one layer's K/V from ``host_slots`` into ``device_slots``."""
         self._load(device_pool, host_slots, device_slots, [layer], non_blocking, None)
 
-    def load(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-             device_slots: torch.Tensor, non_blocking: bool = False,
-             on_layer: Callable[[int], None] | None = None) -> None:
+    def load(
+        self,
+        device_pool: DeviceKVPool,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        non_blocking: bool = False,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> None:
         """Copy all layers from ``host_slots`` into ``device_slots``, calling
         ``on_layer(layer)`` once that layer's copies are issued (events go there)."""
-        self._load(device_pool, host_slots, device_slots, list(range(self.num_layers)),
-                   non_blocking, on_layer)
+        self._load(
+            device_pool,
+            host_slots,
+            device_slots,
+            list(range(self.num_layers)),
+            non_blocking,
+            on_layer,
+        )
 
-    def _load(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-              device_slots: torch.Tensor, layers: list[int], non_blocking: bool,
-              on_layer: Callable[[int], None] | None) -> None:
+    def _load(
+        self,
+        device_pool: DeviceKVPool,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        layers: list[int],
+        non_blocking: bool,
+        on_layer: Callable[[int], None] | None,
+    ) -> None:
         host_slots = self._check(device_pool, host_slots, device_slots)
         device_slots = device_slots.reshape(-1).to(torch.int64)
         notify = on_layer if on_layer is not None else (lambda layer: None)
@@ -291,19 +346,30 @@ class HostKVPool:
         if self.layout == "page_first" and all_layers:  # one DMA per run carries every layer
             chunks = self._chunks(host_slots.numel(), self.bytes_per_token)
             for i, (start, end) in enumerate(chunks):
-                self._load_page_first_staged(device_pool, host_slots[start:end],
-                                             device_slots[start:end], non_blocking,
-                                             notify if i == len(chunks) - 1 else None)
+                self._load_page_first_staged(
+                    device_pool,
+                    host_slots[start:end],
+                    device_slots[start:end],
+                    non_blocking,
+                    notify if i == len(chunks) - 1 else None,
+                )
             return
         chunks = self._chunks(host_slots.numel(), self.bytes_per_token // self.num_layers)
         for layer in layers:
             for start, end in chunks:
-                self._load_layer_staged(device_pool, host_slots[start:end],
-                                        device_slots[start:end], layer, non_blocking)
+                self._load_layer_staged(
+                    device_pool, host_slots[start:end], device_slots[start:end], layer, non_blocking
+                )
             notify(layer)
 
-    def _load_direct(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-                     device_slots: torch.Tensor, layers: list[int], all_layers: bool) -> None:
+    def _load_direct(
+        self,
+        device_pool: DeviceKVPool,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        layers: list[int],
+        all_layers: bool,
+    ) -> None:
         runs, base = self._plan_direct(device_pool, host_slots, device_slots, all_layers)
         many_runs = fragmented(runs, host_slots.numel())
         if many_runs or base is None or any(run.device_start < 0 for run in runs):
@@ -326,16 +392,23 @@ class HostKVPool:
                     dsts.extend(dst[device_part] for dst, _ in pairs)
                     srcs.extend(src[host_part] for _, src in pairs)
                 continue
-            index = device_slots[run.offset:run.offset + run.length]
+            index = device_slots[run.offset : run.offset + run.length]
             for dst, src in pairs:  # scatter straight from the host run
                 dst.index_copy_(0, index, src[host_part])
         copy_all(dsts, srcs)
 
-    def _load_layer_staged(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-                           device_slots: torch.Tensor, layer: int, non_blocking: bool) -> None:
+    def _load_layer_staged(
+        self,
+        device_pool: DeviceKVPool,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        layer: int,
+        non_blocking: bool,
+    ) -> None:
         n = host_slots.numel()
-        stage = torch.empty((2, n, self.kv_heads, self.head_dim), dtype=self.dtype,
-                            device=device_pool.device)
+        stage = torch.empty(
+            (2, n, self.kv_heads, self.head_dim), dtype=self.dtype, device=device_pool.device
+        )
         runs = plan_runs(host_slots, None)
         for kv in range(2):
             src = self._pairs(device_pool, [layer])[kv][1]  # host [N, H, D]
@@ -343,24 +416,36 @@ class HostKVPool:
                 stage[kv].copy_(src.index_select(0, host_slots))
                 continue
             for run in runs:
-                stage[kv, run.offset:run.offset + run.length].copy_(
-                    src[run.host_start:run.host_start + run.length], non_blocking=non_blocking)
+                stage[kv, run.offset : run.offset + run.length].copy_(
+                    src[run.host_start : run.host_start + run.length], non_blocking=non_blocking
+                )
         device_pool.k_buffers[layer].index_copy_(0, device_slots, stage[0])
         device_pool.v_buffers[layer].index_copy_(0, device_slots, stage[1])
 
-    def _load_page_first_staged(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
-                                device_slots: torch.Tensor, non_blocking: bool,
-                                on_layer: Callable[[int], None] | None) -> None:
+    def _load_page_first_staged(
+        self,
+        device_pool: DeviceKVPool,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        non_blocking: bool,
+        on_layer: Callable[[int], None] | None,
+    ) -> None:
         n = host_slots.numel()
-        stage = torch.empty((2, n, self.num_layers, self.kv_heads, self.head_dim),
-                            dtype=self.dtype, device=device_pool.device)
+        stage = torch.empty(
+            (2, n, self.num_layers, self.kv_heads, self.head_dim),
+            dtype=self.dtype,
+            device=device_pool.device,
+        )
         runs = plan_runs(host_slots, None)
         if fragmented(runs, n):
             stage.copy_(self.kv_buffer.index_select(1, host_slots))
         else:
-            dsts = [stage[kv, r.offset:r.offset + r.length] for r in runs for kv in range(2)]
-            srcs = [self.kv_buffer[kv, r.host_start:r.host_start + r.length]
-                    for r in runs for kv in range(2)]
+            dsts = [stage[kv, r.offset : r.offset + r.length] for r in runs for kv in range(2)]
+            srcs = [
+                self.kv_buffer[kv, r.host_start : r.host_start + r.length]
+                for r in runs
+                for kv in range(2)
+            ]
             copy_all(dsts, srcs, non_blocking)  # [length, L, H, D] contiguous on both sides
         base = self._fused(device_pool)
         if base is not None:  # one scatter kernel per K/V for every layer

@@ -38,8 +38,9 @@ class SlotRun(NamedTuple):
     device_start: int
 
 
-def plan_runs(host_slots: torch.Tensor, device_slots: torch.Tensor | None,
-              joint: bool = False) -> list[SlotRun]:
+def plan_runs(
+    host_slots: torch.Tensor, device_slots: torch.Tensor | None, joint: bool = False
+) -> list[SlotRun]:
     """Split a transfer into maximal runs of consecutive host slots (CPU int64 tensors);
     with ``joint``, also where the device slots stop being consecutive.
 
@@ -60,8 +61,13 @@ def plan_runs(host_slots: torch.Tensor, device_slots: torch.Tensor | None,
         breaks_before = np.concatenate(([0], np.cumsum(np.diff(device) != 1)))  # [n]
         consecutive = breaks_before[ends - 1] == breaks_before[starts]
         device_first = np.where(consecutive, device[starts], -1)
-    columns = zip(starts.tolist(), host[starts].tolist(), (ends - starts).tolist(),
-                  device_first.tolist(), strict=True)
+    columns = zip(
+        starts.tolist(),
+        host[starts].tolist(),
+        (ends - starts).tolist(),
+        device_first.tolist(),
+        strict=True,
+    )
     return [SlotRun(*column) for column in columns]
 
 
@@ -80,13 +86,17 @@ def fused_kv_base(device_pool: DeviceKVPool) -> torch.Tensor | None:
         for layer, buffer in enumerate(buffers):
             view = base[kv, layer]
             if (buffer.data_ptr(), buffer.shape, buffer.stride()) != (
-                    view.data_ptr(), view.shape, view.stride()):
+                view.data_ptr(),
+                view.shape,
+                view.stride(),
+            ):
                 return None
     return base
 
 
-def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-              non_blocking: bool = False) -> None:
+def copy_all(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False
+) -> None:
     """Pairwise ``dst.copy_(src)``; between CPU tensors in one dispatch, since per-call
     overhead dominates small runs (device copies are one DMA each either way)."""
     if not dsts:
@@ -145,8 +155,9 @@ class KVTransfer:
     are ``non_blocking`` only when the host pool is pinned. Elsewhere they run at once.
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool,
-                 device: DeviceSpec | None = None) -> None:
+    def __init__(
+        self, device_pool: DeviceKVPool, host_pool: HostKVPool, device: DeviceSpec | None = None
+    ) -> None:
         self.device_pool, self.host_pool = device_pool, host_pool
         self.spec = device if device is not None else parse_device(device_pool.device)
         self.backup_stream: Any | None = None
@@ -155,8 +166,9 @@ class KVTransfer:
             try:
                 self.backup_stream, self.load_stream = new_stream(self.spec), new_stream(self.spec)
             except Exception as exc:  # a backend without user streams: copy synchronously
-                logger.warning("no copy streams on %s (%s); HiCache copies run synchronously",
-                               self.spec, exc)
+                logger.warning(
+                    "no copy streams on %s (%s); HiCache copies run synchronously", self.spec, exc
+                )
                 self.backup_stream = self.load_stream = None
         self.asynchronous = self.backup_stream is not None and self.load_stream is not None
         self.non_blocking = self.asynchronous and host_pool.pinned
@@ -177,25 +189,34 @@ class KVTransfer:
         handle = self._start("load", device_slots, host_slots)
 
         def issue(on_layer: Callable[[int], None] | None) -> None:
-            self.host_pool.load(self.device_pool, host_slots, device_slots, self.non_blocking,
-                                on_layer)
+            self.host_pool.load(
+                self.device_pool, host_slots, device_slots, self.non_blocking, on_layer
+            )
 
         return self._issue(handle, self.load_stream, issue)
 
-    def _start(self, direction: str, device_slots: torch.Tensor,
-               host_slots: torch.Tensor) -> TransferHandle:
+    def _start(
+        self, direction: str, device_slots: torch.Tensor, host_slots: torch.Tensor
+    ) -> TransferHandle:
         if device_slots.numel() != host_slots.numel():
-            raise ValueError(f"{direction}: {device_slots.numel()} device slots vs "
-                             f"{host_slots.numel()} host slots")
+            raise ValueError(
+                f"{direction}: {device_slots.numel()} device slots vs "
+                f"{host_slots.numel()} host slots"
+            )
         num_tokens = int(host_slots.numel())
         num_bytes = num_tokens * self.host_pool.bytes_per_token
         self._stats[f"{direction}_tokens"] += num_tokens
         self._stats[f"{direction}_bytes"] += num_bytes
-        return TransferHandle(direction, num_tokens, num_bytes,
-                              keepalive=[device_slots, host_slots])
+        return TransferHandle(
+            direction, num_tokens, num_bytes, keepalive=[device_slots, host_slots]
+        )
 
-    def _issue(self, handle: TransferHandle, stream: Any | None,
-               issue: Callable[[Callable[[int], None] | None], None]) -> TransferHandle:
+    def _issue(
+        self,
+        handle: TransferHandle,
+        stream: Any | None,
+        issue: Callable[[Callable[[int], None] | None], None],
+    ) -> TransferHandle:
         if stream is None:
             issue(None)
             handle.keepalive = []

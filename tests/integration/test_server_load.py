@@ -53,8 +53,11 @@ def test_stream_closed_early_frees_kv(http: httpx.Client, model_name: str, tools
         # the request is running and owns KV right now (the gauge is published by the
         # engine loop after each step, so give it a moment)
         owns_kv = tools.wait_until(lambda: _kv_state(http, tools)[0] > baseline, timeout=10)
-        metrics = [ln for ln in http.get("/metrics").text.splitlines()
-                   if ln.startswith(("hiserve:kv_", "hiserve:num_running"))]
+        metrics = [
+            ln
+            for ln in http.get("/metrics").text.splitlines()
+            if ln.startswith(("hiserve:kv_", "hiserve:num_running"))
+        ]
     # Closing the stream aborted the request and gave its KV back.
     assert tools.wait_until(lambda: _idle(http, tools, baseline), timeout=10)
     generated = _kv_state(http, tools)[2] - generated_before

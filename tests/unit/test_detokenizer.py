@@ -67,7 +67,8 @@ def test_random_token_sequences_match_full_decode(
     specials = sorted(tokenizer.all_special_ids)
     # Single-byte ByteLevel tokens split multi-byte characters the most.
     byte_tokens = [
-        i for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(vocab))))
+        i
+        for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(vocab))))
         if tok is not None and len(tok) == 1
     ]
     assert len(byte_tokens) >= 200

@@ -19,10 +19,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[l
     for ids in prompts:
         with torch.no_grad():
             seq = model.generate(
-                torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                torch.tensor([ids]),
+                max_new_tokens=max_new,
+                do_sample=False,
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             )
-        new = seq[0, len(ids):].tolist()
+        new = seq[0, len(ids) :].tolist()
         eos = model.generation_config.eos_token_id
         eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         for i, tok in enumerate(new):
@@ -133,8 +135,7 @@ def test_abort_everywhere_releases_kv(tiny_llama_dir):
         ([5, 6], SamplingParams(stop=[f"s{i}" for i in range(17)]), "stop"),
     ],
 )
-def test_bad_input_is_a_clear_error_and_engine_keeps_serving(tiny_llama_dir, prompt, params,
-                                                             field):
+def test_bad_input_is_a_clear_error_and_engine_keeps_serving(tiny_llama_dir, prompt, params, field):
     eng = _shared_engine(tiny_llama_dir)
     with pytest.raises(ValueError, match=field):
         eng.add_request(prompt, params)
@@ -159,16 +160,16 @@ def test_stop_conditions(tiny_llama_dir, prompts, reference):
     assert out.token_ids == ref[:3] and out.finish_reason == "length"
     # stop token id: generation ends at (and includes) the first occurrence
     stop_tok = ref[4]
-    out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
-                                                stop_token_ids=[stop_tok]))[0]
+    out = eng.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok])
+    )[0]
     assert out.token_ids == ref[: ref.index(stop_tok) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     # stop string: the text is cut before it
     full = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
     if len(full.text) > 6:
         stop = full.text[3:6]
-        out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
-                                                    stop=[stop]))[0]
+        out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
         assert out.text == full.text[: full.text.index(stop)]
         assert out.finish_reason == "stop" and out.stop_reason == stop
 

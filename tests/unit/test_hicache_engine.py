@@ -32,8 +32,13 @@ def multiturn(engine: Engine, clients: int = 5, rounds: int = 3, seed: int = 0):
 
 def engine_for(model_dir: Path, **kw) -> Engine:
     # Working set ~5 x 70 tokens, several times this device pool.
-    cfg = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=128,
-               hicache_load_threshold=4)
+    cfg = dict(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=128,
+        hicache_load_threshold=4,
+    )
     cfg.update(kw)
     eng = Engine(EngineConfig(**cfg))
     eng.check_invariants = True
@@ -49,8 +54,13 @@ def radix_run(tiny_llama_dir):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_same_outputs_and_host_hits(tiny_llama_dir, radix_run, policy, layout):
     radix_outputs, radix_cached, radix_host, prompt_tokens = radix_run
-    eng = engine_for(tiny_llama_dir, enable_hierarchical_cache=True, hicache_ratio=8,
-                     hicache_write_policy=policy, hicache_mem_layout=layout)
+    eng = engine_for(
+        tiny_llama_dir,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8,
+        hicache_write_policy=policy,
+        hicache_mem_layout=layout,
+    )
     outputs, cached, host, _ = multiturn(eng)
     assert outputs == radix_outputs
     assert radix_host == 0

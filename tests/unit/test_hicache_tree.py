@@ -21,12 +21,12 @@ from engine.request import Req, SamplingParams
 CPU = DeviceSpec("cpu", None)
 
 
-def make(num_pages: int, page_size: int, host_tokens: int, policy: str, layout: str,
-         threshold: int = 1) -> KVCacheManager:
+def make(
+    num_pages: int, page_size: int, host_tokens: int, policy: str, layout: str, threshold: int = 1
+) -> KVCacheManager:
     allocator = PageAllocator(num_pages, page_size)
     pool = DeviceKVPool(2, allocator.num_slots, 1, 4, torch.float32, "cpu")
-    host = HostKVPool(2, host_tokens, 1, 4, torch.float32, CPU, layout=layout,
-                      page_size=page_size)
+    host = HostKVPool(2, host_tokens, 1, 4, torch.float32, CPU, layout=layout, page_size=page_size)
     tree = HiRadixCache(allocator, pool, host, policy, load_threshold=threshold)
     return KVCacheManager(allocator, ReqTable(8, 256, torch.device("cpu")), tree)
 

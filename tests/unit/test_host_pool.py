@@ -28,9 +28,14 @@ def fuse(pool: DeviceKVPool) -> DeviceKVPool:
     return pool
 
 
-def make_pools(layout: str, page_size: int, device_slots: int = 64, host_tokens: int = 96,
-               dtype: torch.dtype = torch.float32,
-               fused: bool = False) -> tuple[DeviceKVPool, HostKVPool]:
+def make_pools(
+    layout: str,
+    page_size: int,
+    device_slots: int = 64,
+    host_tokens: int = 96,
+    dtype: torch.dtype = torch.float32,
+    fused: bool = False,
+) -> tuple[DeviceKVPool, HostKVPool]:
     device_pool = DeviceKVPool(LAYERS, device_slots, HEADS, DIM, dtype, "cpu")
     if fused:
         fuse(device_pool)
@@ -41,8 +46,9 @@ def make_pools(layout: str, page_size: int, device_slots: int = 64, host_tokens:
     generator = torch.Generator().manual_seed(0)
     for buffer in (*device_pool.k_buffers, *device_pool.v_buffers):
         buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
-    host = HostKVPool(LAYERS, host_tokens, HEADS, DIM, dtype, CPU, layout=layout,
-                      page_size=page_size)
+    host = HostKVPool(
+        LAYERS, host_tokens, HEADS, DIM, dtype, CPU, layout=layout, page_size=page_size
+    )
     host.kv_buffer.fill_(-7.0)  # fresh host memory is uninitialized (may hold NaN)
     return device_pool, host
 
@@ -73,8 +79,9 @@ def fragmented_host_slots(host: HostKVPool, num_tokens: int) -> torch.Tensor:
 SLOT_PATTERNS = ["contiguous", "scattered_device", "device_pages", "fragmented_host"]
 
 
-def slots_for(pattern: str, host: HostKVPool, device_pool: DeviceKVPool,
-              n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slots_for(
+    pattern: str, host: HostKVPool, device_pool: DeviceKVPool, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     if pattern == "contiguous":
         device_slots = torch.arange(5, 5 + n)
@@ -82,7 +89,7 @@ def slots_for(pattern: str, host: HostKVPool, device_pool: DeviceKVPool,
         assert host_slots is not None
         return device_slots, host_slots[:n]
     if pattern == "device_pages":  # runs of 4 consecutive device slots in random order
-        pages = torch.randperm((device_pool.num_slots - 1) // 4, generator=generator)[:n // 4]
+        pages = torch.randperm((device_pool.num_slots - 1) // 4, generator=generator)[: n // 4]
         device_slots = (pages[:, None] * 4 + torch.arange(4) + 1).reshape(-1)
     else:
         device_slots = torch.randperm(device_pool.num_slots - 1, generator=generator)[:n] + 1
@@ -108,21 +115,31 @@ def test_round_trip(layout: str, page_size: int, pattern: str, staged: bool, fus
     host.backup(device_pool, device_slots, host_slots)
     for kv in range(2):
         for layer in range(LAYERS):
-            assert torch.equal(host_kv(host, kv, layer, host_slots),
-                               device_kv(device_pool, kv, layer, device_slots))
+            assert torch.equal(
+                host_kv(host, kv, layer, host_slots),
+                device_kv(device_pool, kv, layer, device_slots),
+            )
     untouched = torch.ones(host.capacity, dtype=torch.bool)
     untouched[host_slots] = False
     slot_dim = 2 if layout == "layer_first" else 1
-    assert torch.equal(host.kv_buffer.index_select(slot_dim, untouched.nonzero().flatten()),
-                       host_before.index_select(slot_dim, untouched.nonzero().flatten()))
+    assert torch.equal(
+        host.kv_buffer.index_select(slot_dim, untouched.nonzero().flatten()),
+        host_before.index_select(slot_dim, untouched.nonzero().flatten()),
+    )
 
     # Load into other device slots (the reverse order breaks every run) and compare.
-    expected = {(kv, layer): device_kv(device_pool, kv, layer, device_slots).clone()
-                for kv in range(2) for layer in range(LAYERS)}
+    expected = {
+        (kv, layer): device_kv(device_pool, kv, layer, device_slots).clone()
+        for kv in range(2)
+        for layer in range(LAYERS)
+    }
     targets = torch.arange(device_pool.num_slots - n, device_pool.num_slots).flip(0)
     keep = torch.arange(1, 5)  # never a target: must keep its values
-    kept = {(kv, layer): device_kv(device_pool, kv, layer, keep).clone()
-            for kv in range(2) for layer in range(LAYERS)}
+    kept = {
+        (kv, layer): device_kv(device_pool, kv, layer, keep).clone()
+        for kv in range(2)
+        for layer in range(LAYERS)
+    }
     seen: list[int] = []
     host.load(device_pool, host_slots, targets, on_layer=seen.append)
     assert seen == list(range(LAYERS))
@@ -143,8 +160,12 @@ def test_load_layer_moves_one_layer_only(layout: str, staged: bool) -> None:
     targets = torch.arange(30, 40)
     before = [device_kv(device_pool, 0, layer, targets).clone() for layer in range(LAYERS)]
     host.load_layer(device_pool, host_slots, targets, layer=1)
-    assert torch.equal(device_kv(device_pool, 0, 1, targets), device_kv(device_pool, 0, 1, device_slots))
-    assert torch.equal(device_kv(device_pool, 1, 1, targets), device_kv(device_pool, 1, 1, device_slots))
+    assert torch.equal(
+        device_kv(device_pool, 0, 1, targets), device_kv(device_pool, 0, 1, device_slots)
+    )
+    assert torch.equal(
+        device_kv(device_pool, 1, 1, targets), device_kv(device_pool, 1, 1, device_slots)
+    )
     for layer in (0, 2):
         assert torch.equal(device_kv(device_pool, 0, layer, targets), before[layer])
 
@@ -158,8 +179,7 @@ def test_fused_detection_needs_every_buffer_to_be_a_view() -> None:
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_staged_copies_in_chunks(layout: str, fused: bool,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staged_copies_in_chunks(layout: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_pool_module, "_STAGE_BYTES", 1)  # one page per chunk
     device_pool, host = make_pools(layout, page_size=4, dtype=torch.bfloat16, fused=fused)
     host._force_staged = True
@@ -171,8 +191,10 @@ def test_staged_copies_in_chunks(layout: str, fused: bool,
     host.load(device_pool, host_slots, targets)
     for kv in range(2):
         for layer in range(LAYERS):
-            assert torch.equal(device_kv(device_pool, kv, layer, targets),
-                               device_kv(device_pool, kv, layer, device_slots))
+            assert torch.equal(
+                device_kv(device_pool, kv, layer, targets),
+                device_kv(device_pool, kv, layer, device_slots),
+            )
 
 
 def test_empty_and_mismatched_copies() -> None:
@@ -218,11 +240,13 @@ def test_free_rejects_double_free_and_partial_pages() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(page_size=st.sampled_from([1, 3, 4]),
-       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30), st.integers(0, 10**6)),
-                    max_size=40))
+@given(
+    page_size=st.sampled_from([1, 3, 4]),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30), st.integers(0, 10**6)), max_size=40),
+)
 def test_free_list_never_overlaps_or_loses_slots(
-        page_size: int, ops: list[tuple[bool, int, int]]) -> None:
+    page_size: int, ops: list[tuple[bool, int, int]]
+) -> None:
     host = HostKVPool(1, 60, 1, 2, torch.float32, CPU, page_size=page_size)
     owned: list[torch.Tensor] = []
     for is_alloc, size, pick in ops:
@@ -302,5 +326,6 @@ def test_host_pool_pins_for_musa(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty", recording_empty)
     host = HostKVPool(2, 8, 1, 4, torch.float16, platform.parse_device("MUSA:1"))
     assert [r for r in requests if "pin_memory" in r] == [
-        {"dtype": torch.float16, "pin_memory": True}]
+        {"dtype": torch.float16, "pin_memory": True}
+    ]
     assert (host.method, host.pinned) == ("pin_memory", True)

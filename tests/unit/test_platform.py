@@ -119,13 +119,25 @@ def empty_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- parsing
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("cpu", ("cpu", None)), ("CPU", ("cpu", None)), ("cuda", ("cuda", None)),
-    ("cuda:1", ("cuda", 1)), ("musa", ("musa", None)), ("musa:0", ("musa", 0)),
-    ("MUSA:1", ("musa", 1)), ("  musa:3 ", ("musa", 3)), ("npu:0", ("npu", 0)),
-    ("xpu", ("xpu", None)), ("mps", ("mps", None)), ("hip", ("hip", None)),
-    ("auto", ("auto", None)), (" AUTO ", ("auto", None)),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("cpu", ("cpu", None)),
+        ("CPU", ("cpu", None)),
+        ("cuda", ("cuda", None)),
+        ("cuda:1", ("cuda", 1)),
+        ("musa", ("musa", None)),
+        ("musa:0", ("musa", 0)),
+        ("MUSA:1", ("musa", 1)),
+        ("  musa:3 ", ("musa", 3)),
+        ("npu:0", ("npu", 0)),
+        ("xpu", ("xpu", None)),
+        ("mps", ("mps", None)),
+        ("hip", ("hip", None)),
+        ("auto", ("auto", None)),
+        (" AUTO ", ("auto", None)),
+    ],
+)
 def test_parse_device_strings(text: str, expected: tuple[str, int | None]) -> None:
     spec = parse_device(text)
     assert (spec.type, spec.index) == expected
@@ -137,8 +149,9 @@ def test_parse_device_accepts_torch_device() -> None:
     assert parse_device(torch.device("cpu")) == DeviceSpec("cpu", None)
 
 
-@pytest.mark.parametrize("text", ["gpu", "cuda:x", "musa:", "auto:0", "", "cuda:-1",
-                                  "cuda:1:2", "tpu:0"])
+@pytest.mark.parametrize(
+    "text", ["gpu", "cuda:x", "musa:", "auto:0", "", "cuda:-1", "cuda:1:2", "tpu:0"]
+)
 def test_parse_device_rejects_bad_strings(text: str) -> None:
     with pytest.raises(ValueError, match=r"valid forms: .*musa\[:N\]"):
         parse_device(text)
@@ -154,7 +167,9 @@ def test_musa_is_parsed_without_building_a_torch_device() -> None:
 # ---------------------------------------------------------------- backend probing
 
 
-def test_resolve_auto_falls_back_to_cpu_without_accelerators(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_auto_falls_back_to_cpu_without_accelerators(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for name in ("cuda", "xpu", "mps"):
         install(monkeypatch, name, FakeBackend(available=False))
     monkeypatch.delattr(torch, "musa", raising=False)
@@ -182,7 +197,9 @@ def test_resolve_explicit_device_checks_index(fakes: dict[str, FakeBackend]) -> 
         resolve_device("musa:2")  # the fake has 2 devices
 
 
-def test_resolve_hip_needs_rocm(monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend]) -> None:
+def test_resolve_hip_needs_rocm(
+    monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend]
+) -> None:
     monkeypatch.setattr(torch.version, "hip", None)
     with pytest.raises(RuntimeError, match="ROCm"):
         resolve_device("hip")
@@ -207,8 +224,9 @@ PAGEABLE_DEVICES = ["mps", "cpu", "CPU"]
 
 
 @pytest.mark.parametrize("device", PINNED_DEVICES)
-def test_accelerators_get_pinned_memory(device: str, fakes: dict[str, FakeBackend],
-                                        empty_calls: list[dict[str, Any]]) -> None:
+def test_accelerators_get_pinned_memory(
+    device: str, fakes: dict[str, FakeBackend], empty_calls: list[dict[str, Any]]
+) -> None:
     method = host_alloc_method(device)
     assert method == "pin_memory"
     allocation = alloc_host((4, 8), torch.float16, device, method)
@@ -218,8 +236,9 @@ def test_accelerators_get_pinned_memory(device: str, fakes: dict[str, FakeBacken
 
 
 @pytest.mark.parametrize("device", PAGEABLE_DEVICES)
-def test_mps_and_cpu_get_pageable_memory(device: str, monkeypatch: pytest.MonkeyPatch,
-                                         empty_calls: list[dict[str, Any]]) -> None:
+def test_mps_and_cpu_get_pageable_memory(
+    device: str, monkeypatch: pytest.MonkeyPatch, empty_calls: list[dict[str, Any]]
+) -> None:
     monkeypatch.setattr(torch, "cuda", ExplodingCuda())
     method = host_alloc_method(device)
     assert method == "pageable"
@@ -228,8 +247,9 @@ def test_mps_and_cpu_get_pageable_memory(device: str, monkeypatch: pytest.Monkey
     assert allocation.pinned is False
 
 
-def test_musa_never_touches_torch_cuda(monkeypatch: pytest.MonkeyPatch,
-                                       empty_calls: list[dict[str, Any]]) -> None:
+def test_musa_never_touches_torch_cuda(
+    monkeypatch: pytest.MonkeyPatch, empty_calls: list[dict[str, Any]]
+) -> None:
     musa = install(monkeypatch, "musa", FakeBackend())
     monkeypatch.setattr(torch, "cuda", ExplodingCuda())
     allocation = alloc_host((2,), torch.float16, "musa:0", host_alloc_method("musa:0"))
@@ -242,7 +262,8 @@ def test_musa_never_touches_torch_cuda(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_hip_gets_pin_memory_even_when_host_register_is_the_cuda_option(
-        monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend]) -> None:
+    monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend]
+) -> None:
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert host_alloc_method("hip") == "pin_memory"
     assert host_alloc_method("cuda") == "pin_memory"
@@ -251,8 +272,10 @@ def test_hip_gets_pin_memory_even_when_host_register_is_the_cuda_option(
 
 
 def test_unknown_backend_is_pageable_with_one_warning(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        empty_calls: list[dict[str, Any]]) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    empty_calls: list[dict[str, Any]],
+) -> None:
     monkeypatch.setattr(torch, "cuda", ExplodingCuda())
     with caplog.at_level(logging.WARNING, logger="engine.platform"):
         assert host_alloc_method("foo") == "pageable"
@@ -263,8 +286,9 @@ def test_unknown_backend_is_pageable_with_one_warning(
     assert len(warnings) == 1
 
 
-def test_unavailable_backend_is_not_pinned(monkeypatch: pytest.MonkeyPatch,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_unavailable_backend_is_not_pinned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     install(monkeypatch, "musa", FakeBackend(available=False))
     with caplog.at_level(logging.WARNING, logger="engine.platform"):
         assert host_alloc_method("musa:0") == "pageable"
@@ -272,7 +296,8 @@ def test_unavailable_backend_is_not_pinned(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_cuda_host_register_checks_the_return_code(
-        monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend]) -> None:
+    monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend]
+) -> None:
     monkeypatch.setattr(torch.version, "hip", None)
     cudart = FakeCudart(register_rc=0)
     fakes["cuda"].cudart = lambda: cudart
@@ -289,8 +314,8 @@ def test_cuda_host_register_checks_the_return_code(
 
 
 def test_cuda_host_register_failure_falls_back(
-        monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend],
-        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend], caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(torch.version, "hip", None)
     cudart = FakeCudart(register_rc=2)  # cudaErrorMemoryAllocation
     fakes["cuda"].cudart = lambda: cudart
@@ -303,15 +328,17 @@ def test_cuda_host_register_failure_falls_back(
 
 
 @pytest.mark.parametrize("device", ["musa:0", "npu", "xpu", "mps", "cpu", "foo"])
-def test_host_register_elsewhere_is_refused(device: str, monkeypatch: pytest.MonkeyPatch,
-                                            fakes: dict[str, FakeBackend]) -> None:
+def test_host_register_elsewhere_is_refused(
+    device: str, monkeypatch: pytest.MonkeyPatch, fakes: dict[str, FakeBackend]
+) -> None:
     monkeypatch.setattr(torch, "cuda", ExplodingCuda())
     with pytest.raises(ValueError, match="only exists on CUDA"):
         host_alloc_method(device, "host_register")
 
 
-def test_pinning_failure_falls_back_once(monkeypatch: pytest.MonkeyPatch,
-                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_pinning_failure_falls_back_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     install(monkeypatch, "musa", FakeBackend())
     real_empty = torch.empty
 
@@ -365,8 +392,10 @@ def write(path: Path, text: str) -> Path:
 
 
 def fake_proc(tmp_path: Path, mem_available_kb: int, cgroup_line: str) -> tuple[Path, Path]:
-    meminfo = write(tmp_path / "meminfo",
-                    f"MemTotal:       33554432 kB\nMemAvailable:   {mem_available_kb} kB\n")
+    meminfo = write(
+        tmp_path / "meminfo",
+        f"MemTotal:       33554432 kB\nMemAvailable:   {mem_available_kb} kB\n",
+    )
     self_cgroup = write(tmp_path / "self_cgroup", cgroup_line)
     return meminfo, self_cgroup
 
@@ -397,8 +426,9 @@ def test_available_memory_without_limits_is_mem_available(tmp_path: Path) -> Non
     assert available_host_memory(meminfo, tmp_path / "cgroup", self_cgroup) == 1024**3
 
 
-def test_check_host_memory_names_numbers_and_flag(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_host_memory_names_numbers_and_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     meminfo, self_cgroup = fake_proc(tmp_path, 64 * 1024 * 1024, "0::/\n")
     write(tmp_path / "cgroup" / "memory.max", f"{3 * GB}\n")
     write(tmp_path / "cgroup" / "memory.current", "0\n")
@@ -416,11 +446,17 @@ def test_check_host_memory_names_numbers_and_flag(tmp_path: Path,
 # ---------------------------------------------------------------- dtypes
 
 
-@pytest.mark.parametrize(("capability", "expected"), [
-    ((2, 1), torch.float16), ((2, 2), torch.bfloat16), ((3, 1), torch.bfloat16),
-])
-def test_musa_dtype_follows_capability(capability: tuple[int, int], expected: torch.dtype,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [
+        ((2, 1), torch.float16),
+        ((2, 2), torch.bfloat16),
+        ((3, 1), torch.bfloat16),
+    ],
+)
+def test_musa_dtype_follows_capability(
+    capability: tuple[int, int], expected: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     install(monkeypatch, "musa", FakeBackend(get_device_capability=lambda index: capability))
     monkeypatch.setattr(torch, "cuda", ExplodingCuda())
     assert default_dtype(DeviceSpec("musa", 0)) == expected
@@ -437,10 +473,17 @@ def test_default_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_dtype(DeviceSpec("cuda", 0)) == torch.bfloat16
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("float32", torch.float32), ("fp32", torch.float32), ("FP16", torch.float16),
-    ("float16", torch.float16), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("FP16", torch.float16),
+        ("float16", torch.float16),
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+    ],
+)
 def test_parse_dtype_names(name: str, expected: torch.dtype) -> None:
     assert parse_dtype(name, DeviceSpec("cpu")) == expected
 

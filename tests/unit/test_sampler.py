@@ -217,8 +217,14 @@ def test_seed_is_independent_of_batch_neighbours() -> None:
     assert run(0, 0, seed=4321) != alone
 
 
-def reference_penalties(logits: list[float], prompt: list[int], output: list[int],
-                        rep: float, presence: float, frequency: float) -> list[float]:
+def reference_penalties(
+    logits: list[float],
+    prompt: list[int],
+    output: list[int],
+    rep: float,
+    presence: float,
+    frequency: float,
+) -> list[float]:
     out = list(logits)
     for token in set(prompt) | set(output):
         out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
@@ -237,8 +243,14 @@ def test_penalties_match_reference_formula() -> None:
         ([10, 11], [], 1.0, 1.0, 1.0),  # nothing generated yet: no presence/frequency
     ]
     reqs = [
-        make_req(prompt, output, repetition_penalty=rep, presence_penalty=pres,
-                 frequency_penalty=freq, temperature=0.0)
+        make_req(
+            prompt,
+            output,
+            repetition_penalty=rep,
+            presence_penalty=pres,
+            frequency_penalty=freq,
+            temperature=0.0,
+        )
         for prompt, output, rep, pres, freq in cases
     ]
     ours = Sampler(vocab, CPU).apply_penalties(logits, reqs)

@@ -20,20 +20,26 @@ from engine.platform import DeviceSpec
 LAYERS, HEADS, DIM = 4, 2, 8
 
 
-def make_pools(device: str = "cpu", layout: str = "layer_first",
-               pinned_device: DeviceSpec | None = None) -> tuple[DeviceKVPool, HostKVPool]:
+def make_pools(
+    device: str = "cpu", layout: str = "layer_first", pinned_device: DeviceSpec | None = None
+) -> tuple[DeviceKVPool, HostKVPool]:
     device_pool = DeviceKVPool(LAYERS, 64, HEADS, DIM, torch.float16, device)
     for buffer in (*device_pool.k_buffers, *device_pool.v_buffers):
         buffer.copy_(torch.randn(buffer.shape).half())
-    host = HostKVPool(LAYERS, 64, HEADS, DIM, torch.float16, pinned_device or DeviceSpec("cpu"),
-                      layout=layout)
+    host = HostKVPool(
+        LAYERS, 64, HEADS, DIM, torch.float16, pinned_device or DeviceSpec("cpu"), layout=layout
+    )
     return device_pool, host
 
 
 def kv_of(pool: DeviceKVPool, slots: torch.Tensor) -> torch.Tensor:
     """[2, L, n, H, D] copy of the KV at ``slots`` (read by plain indexing)."""
-    return torch.stack([torch.stack([b[slots].cpu() for b in buffers])
-                        for buffers in (pool.k_buffers, pool.v_buffers)])
+    return torch.stack(
+        [
+            torch.stack([b[slots].cpu() for b in buffers])
+            for buffers in (pool.k_buffers, pool.v_buffers)
+        ]
+    )
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -58,8 +64,12 @@ def test_cpu_copies_finish_at_once_and_are_polled_once(layout: str) -> None:
     assert torch.equal(kv_of(device_pool, targets), expected)
 
     token_bytes = 2 * LAYERS * HEADS * DIM * 2  # K and V, fp16
-    assert transfer.stats() == {"backup_tokens": 10, "backup_bytes": 10 * token_bytes,
-                                "load_tokens": 10, "load_bytes": 10 * token_bytes}
+    assert transfer.stats() == {
+        "backup_tokens": 10,
+        "backup_bytes": 10 * token_bytes,
+        "load_tokens": 10,
+        "load_bytes": 10 * token_bytes,
+    }
 
 
 def test_mismatched_slot_counts_are_refused() -> None:
@@ -141,7 +151,8 @@ def fake_musa(monkeypatch: pytest.MonkeyPatch) -> FakeStreamBackend:
 
 @pytest.mark.parametrize("pinned", [True, False])
 def test_gpu_copies_run_on_side_streams_with_events(
-        fake_musa: FakeStreamBackend, monkeypatch: pytest.MonkeyPatch, pinned: bool) -> None:
+    fake_musa: FakeStreamBackend, monkeypatch: pytest.MonkeyPatch, pinned: bool
+) -> None:
     device_pool, host = make_pools()
     host.allocation.pinned = pinned  # what alloc_host would report for pinned memory
     issued: list[tuple[str, str, bool]] = []
