@@ -13,6 +13,8 @@ from engine.platform import DeviceSpec, alloc_host, check_host_memory, host_allo
 HOST_LAYOUTS = ("layer_first", "page_first")
 # Upper bound of one device staging buffer; larger transfers are split into chunks.
 _STAGE_BYTES = 64 << 20
+# Tokens per fused gather on CPU: a temporary of a few MiB stays cache-friendly.
+_GATHER_TOKENS = 64
 
 
 class HostKVPool:
@@ -218,6 +220,17 @@ class HostKVPool:
         many_runs = fragmented(runs, host_slots.numel())
         if many_runs or base is None or any(run.device_start < 0 for run in runs):
             pairs = self._pairs(device_pool, list(range(self.num_layers)))
+        if many_runs and base is not None:
+            # One gather over every layer per piece: 2 x num_layers small copies cost more,
+            # and one huge temporary costs more than it saves.
+            for lo in range(0, device_slots.numel(), _GATHER_TOKENS):
+                gathered = base.index_select(2, device_slots[lo : lo + _GATHER_TOKENS])
+                host_part = host_slots[lo : lo + _GATHER_TOKENS]
+                if self.layout == "layer_first":
+                    self.kv_buffer.index_copy_(2, host_part, gathered)
+                else:
+                    self.kv_buffer.index_copy_(1, host_part, gathered.transpose(1, 2))
+            return
         if many_runs:
             for src, dst in pairs:
                 dst.index_copy_(0, host_slots, src.index_select(0, device_slots))
@@ -237,6 +250,16 @@ class HostKVPool:
                     srcs.extend(src[device_part] for src, _ in pairs)
                 continue
             index = device_slots[run.offset : run.offset + run.length]
+            if base is not None:  # one gather over every layer per cache-sized piece
+                for lo in range(0, run.length, _GATHER_TOKENS):
+                    piece = index[lo : lo + _GATHER_TOKENS]
+                    gathered = base.index_select(2, piece)  # [2, L, piece, H, D]
+                    part = slice(run.host_start + lo, run.host_start + lo + piece.numel())
+                    if self.layout == "layer_first":
+                        self.kv_buffer[:, :, part] = gathered
+                    else:
+                        self.kv_buffer[:, part] = gathered.transpose(1, 2)
+                continue
             for src, dst in pairs:  # gather straight into the host run
                 out = dst[host_part]
                 if out.is_contiguous():
@@ -393,6 +416,12 @@ class HostKVPool:
                     srcs.extend(src[host_part] for _, src in pairs)
                 continue
             index = device_slots[run.offset : run.offset + run.length]
+            if base is not None:  # one scatter over every layer from the host run
+                if self.layout == "layer_first":
+                    base.index_copy_(2, index, self.kv_buffer[:, :, host_part])
+                else:
+                    base.index_copy_(2, index, self.kv_buffer[:, host_part].transpose(1, 2))
+                continue
             for dst, src in pairs:  # scatter straight from the host run
                 dst.index_copy_(0, index, src[host_part])
         copy_all(dsts, srcs)
