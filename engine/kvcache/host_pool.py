@@ -225,11 +225,11 @@ class HostKVPool:
             # and one huge temporary costs more than it saves.
             for lo in range(0, device_slots.numel(), _GATHER_TOKENS):
                 gathered = base.index_select(2, device_slots[lo : lo + _GATHER_TOKENS])
-                host_part = host_slots[lo : lo + _GATHER_TOKENS]
+                host_piece = host_slots[lo : lo + _GATHER_TOKENS]
                 if self.layout == "layer_first":
-                    self.kv_buffer.index_copy_(2, host_part, gathered)
+                    self.kv_buffer.index_copy_(2, host_piece, gathered)
                 else:
-                    self.kv_buffer.index_copy_(1, host_part, gathered.transpose(1, 2))
+                    self.kv_buffer.index_copy_(1, host_piece, gathered.transpose(1, 2))
             return
         if many_runs:
             for src, dst in pairs:
