@@ -36,7 +36,9 @@ def _idle(http: httpx.Client, tools: Any, baseline: float) -> bool:
     return used == baseline and running == 0
 
 
-def test_stream_closed_early_frees_kv(http: httpx.Client, model_name: str, tools: Any) -> None:
+def test_stream_closed_early_frees_kv(
+    server: Any, http: httpx.Client, model_name: str, tools: Any
+) -> None:
     assert tools.wait_until(lambda: _kv_state(http, tools)[1] == 0, timeout=30)
     baseline, _, generated_before = _kv_state(http, tools)
     body = {"model": model_name, "prompt": "Count slowly: one, two,", "stream": True, **LONG}
@@ -44,7 +46,8 @@ def test_stream_closed_early_frees_kv(http: httpx.Client, model_name: str, tools
         assert resp.status_code == 200
         chunks = 0
         seen: list[str] = []
-        for line in resp.iter_lines():
+        lines = resp.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
                 chunks += 1
                 seen.append(line[:200])
@@ -60,19 +63,22 @@ def test_stream_closed_early_frees_kv(http: httpx.Client, model_name: str, tools
         ]
         if not owns_kv:  # how did the stream end? (diagnostics for the xfail below)
             try:
-                for line in resp.iter_lines():
+                for line in lines:
                     if line.startswith("data:"):
                         seen = [*seen[-2:], line[-160:]]
-            except httpx.HTTPError as exc:
+            except Exception as exc:
                 seen.append(f"stream error: {exc!r}")
     # Closing the stream aborted the request and gave its KV back.
     assert tools.wait_until(lambda: _idle(http, tools, baseline), timeout=10)
     generated = _kv_state(http, tools)[2] - generated_before
     assert 3 <= generated < 1000  # aborted, not run to the end
     if not owns_kv:
-        # Seen twice in full-suite CI runs on a loaded machine and never reproduced alone;
-        # reported with what the server said instead of failing the whole suite.
-        pytest.xfail(f"KV gauge never rose above {baseline} while streaming: {seen} {metrics}")
+        # Seen in about half of full-suite runs (never when this module runs alone); the
+        # cause is not found yet, so it is reported with what the server said.
+        log = server.log_text()[-2500:]
+        pytest.xfail(
+            f"KV gauge never rose above {baseline} while streaming: {seen} {metrics}\n{log}"
+        )
 
 
 def test_plain_request_abandoned_frees_kv(
