@@ -218,18 +218,12 @@ class HostKVPool:
         """CPU pool: copy straight from the device buffers, one pass over the bytes."""
         runs, base = self._plan_direct(device_pool, host_slots, device_slots, True)
         many_runs = fragmented(runs, host_slots.numel())
-        if many_runs or base is None or any(run.device_start < 0 for run in runs):
+        if base is None:  # with the fused pool every branch below copies all layers at once
             pairs = self._pairs(device_pool, list(range(self.num_layers)))
         if many_runs and base is not None:
             # One gather over every layer per piece: 2 x num_layers small copies cost more,
             # and one huge temporary costs more than it saves.
-            for lo in range(0, device_slots.numel(), _GATHER_TOKENS):
-                gathered = base.index_select(2, device_slots[lo : lo + _GATHER_TOKENS])
-                host_piece = host_slots[lo : lo + _GATHER_TOKENS]
-                if self.layout == "layer_first":
-                    self.kv_buffer.index_copy_(2, host_piece, gathered)
-                else:
-                    self.kv_buffer.index_copy_(1, host_piece, gathered.transpose(1, 2))
+            self._gather_to_host(base, device_slots, host_slots)
             return
         if many_runs:
             for src, dst in pairs:
@@ -250,15 +244,8 @@ class HostKVPool:
                     srcs.extend(src[device_part] for src, _ in pairs)
                 continue
             index = device_slots[run.offset : run.offset + run.length]
-            if base is not None:  # one gather over every layer per cache-sized piece
-                for lo in range(0, run.length, _GATHER_TOKENS):
-                    piece = index[lo : lo + _GATHER_TOKENS]
-                    gathered = base.index_select(2, piece)  # [2, L, piece, H, D]
-                    part = slice(run.host_start + lo, run.host_start + lo + piece.numel())
-                    if self.layout == "layer_first":
-                        self.kv_buffer[:, :, part] = gathered
-                    else:
-                        self.kv_buffer[:, part] = gathered.transpose(1, 2)
+            if base is not None:
+                self._gather_to_host(base, index, host_slots[run.offset : run.offset + run.length])
                 continue
             for src, dst in pairs:  # gather straight into the host run
                 out = dst[host_part]
@@ -267,6 +254,18 @@ class HostKVPool:
                 else:
                     out.copy_(src.index_select(0, index))
         copy_all(dsts, srcs)
+
+    def _gather_to_host(
+        self, base: torch.Tensor, device_slots: torch.Tensor, host_slots: torch.Tensor
+    ) -> None:
+        """One gather over every layer of the fused device pool per cache-sized piece."""
+        for lo in range(0, device_slots.numel(), _GATHER_TOKENS):
+            gathered = base.index_select(2, device_slots[lo : lo + _GATHER_TOKENS])
+            host_piece = host_slots[lo : lo + _GATHER_TOKENS]  # gathered: [2, L, piece, H, D]
+            if self.layout == "layer_first":
+                self.kv_buffer.index_copy_(2, host_piece, gathered)
+            else:
+                self.kv_buffer.index_copy_(1, host_piece, gathered.transpose(1, 2))
 
     def _backup_staged(
         self,
