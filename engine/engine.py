@@ -13,10 +13,10 @@ import torch
 
 from engine import loader, platform
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_setup import KVSetup, build_kv
 from engine.model_runner import ModelRunner
-from engine.outputs import make_output
+from engine.outputs import make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
 from engine.sampler import Sampler, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -214,9 +214,7 @@ class Engine:
             start = len(req.text)
             req.text += delta
             if params.stop and past_min:
-                if req.stop_checker is None:
-                    req.stop_checker = StopChecker(params.stop)
-                hit = req.stop_checker.check(req.text, start)
+                hit = stop_checker_of(req).check(req.text, start)
                 if hit is not None:
                     req.text = req.text[: hit[0]]
                     req.stop_reason = hit[1]
@@ -231,7 +229,7 @@ class Engine:
             start = len(req.text)
             req.text += req.detok.flush()
             if req.params.stop and len(req.text) > start:
-                hit = StopChecker(req.params.stop).check(req.text, start)
+                hit = stop_checker_of(req).check(req.text, start)
                 if hit is not None:
                     req.text, req.stop_reason = req.text[: hit[0]], hit[1]
                     reason = FinishReason.STOP

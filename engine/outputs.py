@@ -6,6 +6,14 @@ from engine.detokenizer import StopChecker
 from engine.request import Req, RequestOutput
 
 
+def stop_checker_of(req: Req) -> StopChecker:
+    """The request's stop-string checker, built on first use."""
+    if req.stop_checker is None:
+        req.stop_checker = StopChecker(req.params.stop)
+    checker: StopChecker = req.stop_checker
+    return checker
+
+
 def make_output(req: Req, finished: bool) -> RequestOutput:
     """Snapshot with the deltas since the previous snapshot of ``req``.
 
@@ -15,9 +23,7 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
     text = req.text
     emit_upto = len(text)
     if not finished and req.params.stop:
-        if req.stop_checker is None:
-            req.stop_checker = StopChecker(req.params.stop)
-        emit_upto -= req.stop_checker.holdback(text)
+        emit_upto -= stop_checker_of(req).holdback(text)
     emit_upto = max(emit_upto, req.sent_text)
     new_text = text[req.sent_text : emit_upto]
     new_ids = req.output_ids[req.sent_tokens :]
