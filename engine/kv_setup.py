@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine import platform
+from engine import host_memory, platform
 from engine.config import EngineConfig
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
@@ -76,7 +76,7 @@ def kv_pool_tokens(config: EngineConfig, spec: platform.DeviceSpec, bytes_per_to
     if config.kv_cache_tokens is not None:
         return config.kv_cache_tokens
     info = platform.mem_get_info(spec)
-    free = info[0] if info is not None else platform.available_host_memory()
+    free = info[0] if info is not None else host_memory.available_host_memory()
     tokens = int(free * config.kv_mem_fraction) // bytes_per_token
     if spec.type == "cpu":
         tokens = min(tokens, CPU_DEFAULT_MAX_KV_TOKENS)

@@ -1,4 +1,4 @@
-"""Device abstraction: device strings, backend modules, streams/events, host memory.
+"""Device abstraction: device strings, backend modules, host allocation, dtypes, streams.
 
 Every device-specific call in the engine goes through here, dispatched by the bare
 device type ("musa" for "musa:0"), so that MUSA, NPU and XPU never see a CUDA-only call.
@@ -9,10 +9,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -40,11 +38,6 @@ _HOST_ALLOC_BY_TYPE = {
     "mps": "pageable",
     "cpu": "pageable",
 }
-
-MEMINFO_PATH = "/proc/meminfo"
-CGROUP_ROOT = "/sys/fs/cgroup"
-SELF_CGROUP_PATH = "/proc/self/cgroup"
-_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
 
 _warned: set[str] = set()
 _import_failed: set[str] = set()
@@ -317,102 +310,6 @@ def alloc_host(
             return HostAllocation(tensor, "pageable", False)
         return HostAllocation(tensor, "host_register", True, registered_ptr=tensor.data_ptr())
     raise ValueError(f"unknown host allocation method {method!r}; one of {HOST_ALLOC_METHODS}")
-
-
-# ---------------------------------------------------------------- host memory budget
-
-
-class HostMemoryError(RuntimeError):
-    """The host tier asks for more memory than the host (or its cgroup) has available."""
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
-
-
-def _meminfo_available(path: Path) -> int | None:
-    for line in (_read_text(path) or "").splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    return None
-
-
-def _stat_value(path: Path, key: str) -> int:
-    for line in (_read_text(path) or "").splitlines():
-        name, _, value = line.partition(" ")
-        if name == key and value.strip().isdigit():
-            return int(value)
-    return 0
-
-
-def _cgroup_dirs(root: Path, own_path: str | None) -> list[Path]:
-    """The process's cgroup directory and its ancestors up to ``root`` (those that exist)."""
-    dirs = [root]
-    if own_path:
-        current = root / own_path.lstrip("/")
-        while current != root and root in current.parents:
-            dirs.append(current)
-            current = current.parent
-    return [d for d in dirs if d.is_dir()]
-
-
-def _cgroup_headroom(root: Path, self_cgroup: Path) -> list[int]:
-    """limit - usage (reclaimable page cache excluded) of every limited cgroup level."""
-    v1_path = v2_path = None
-    for line in (_read_text(self_cgroup) or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
-            v2_path = parts[2]
-        elif len(parts) == 3 and "memory" in parts[1].split(","):
-            v1_path = parts[2]
-    headroom = []
-    for d in _cgroup_dirs(root, v2_path):  # cgroup v2
-        limit = (_read_text(d / "memory.max") or "max").strip()
-        if limit.isdigit():
-            used = int((_read_text(d / "memory.current") or "0").strip() or 0)
-            used -= _stat_value(d / "memory.stat", "inactive_file")
-            headroom.append(int(limit) - max(used, 0))
-    for d in _cgroup_dirs(root / "memory", v1_path):  # cgroup v1
-        limit_text = (_read_text(d / "memory.limit_in_bytes") or "").strip()
-        if limit_text.isdigit() and int(limit_text) < _UNLIMITED:
-            used = int((_read_text(d / "memory.usage_in_bytes") or "0").strip() or 0)
-            used -= _stat_value(d / "memory.stat", "total_inactive_file")
-            headroom.append(int(limit_text) - max(used, 0))
-    return headroom
-
-
-def available_host_memory(
-    meminfo: str | Path | None = None,
-    cgroup_root: str | Path | None = None,
-    self_cgroup: str | Path | None = None,
-) -> int:
-    """Bytes this process can still allocate: min(MemAvailable, cgroup v1/v2 headroom)."""
-    known = _cgroup_headroom(
-        Path(cgroup_root or CGROUP_ROOT), Path(self_cgroup or SELF_CGROUP_PATH)
-    )
-    mem_available = _meminfo_available(Path(meminfo or MEMINFO_PATH))
-    if mem_available is not None:
-        known.append(mem_available)
-    if not known and hasattr(os, "sysconf"):  # no /proc (macOS): free physical pages
-        with contextlib.suppress(ValueError, OSError):
-            known.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-    return max(min(known), 0) if known else 1 << 62
-
-
-def check_host_memory(
-    requested_bytes: int, what: str, flag_hint: str, available: int | None = None
-) -> None:
-    """Raise HostMemoryError when ``requested_bytes`` exceed the available host memory."""
-    free = available_host_memory() if available is None else available
-    if requested_bytes > free:
-        raise HostMemoryError(
-            f"{what} needs {requested_bytes / 1e9:.2f} GB of host memory, but only "
-            f"{free / 1e9:.2f} GB is available (MemAvailable and the cgroup memory limit); "
-            f"lower {flag_hint}"
-        )
 
 
 # ---------------------------------------------------------------- dtypes

@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 import torch
 
+from engine.host_memory import check_host_memory
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.transfer import SlotRun, copy_all, fragmented, fused_kv_base, plan_runs
-from engine.platform import DeviceSpec, alloc_host, check_host_memory, host_alloc_method
+from engine.platform import DeviceSpec, alloc_host, host_alloc_method
 
 HOST_LAYOUTS = ("layer_first", "page_first")
 # Upper bound of one device staging buffer; larger transfers are split into chunks.

@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import platform
+from engine import host_memory, platform
+from engine.host_memory import HostMemoryError
 from engine.kvcache import host_pool as host_pool_module
 from engine.kvcache import transfer as transfer_module
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
-from engine.platform import DeviceSpec, HostMemoryError
+from engine.platform import DeviceSpec
 
 CPU = DeviceSpec("cpu")
 LAYERS, HEADS, DIM = 3, 2, 4
@@ -287,7 +288,7 @@ def test_freed_pages_come_back_as_one_run() -> None:
 
 
 def test_host_pool_refuses_more_than_available(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(platform, "available_host_memory", lambda *a, **k: 10**9)
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda *a, **k: 10**9)
     nbytes = DeviceKVPool.token_bytes(32, 8, 128, torch.bfloat16) * 100_000  # ~13 GB
     with pytest.raises(HostMemoryError, match=r"--hicache-size or --hicache-ratio") as info:
         HostKVPool(32, 100_000, 8, 128, torch.bfloat16, CPU)
