@@ -43,8 +43,11 @@ def test_available_memory_uses_cgroup_v1_limit(tmp_path: Path) -> None:
     group = tmp_path / "cgroup" / "memory" / "docker" / "abc"
     write(group / "memory.limit_in_bytes", f"{2 * GB}\n")
     write(group / "memory.usage_in_bytes", f"{GB // 2}\n")
+    # Reclaimable page cache does not count as used (v1 names it total_inactive_file).
+    write(group / "memory.stat", f"cache 5\ntotal_inactive_file {GB // 4}\n")
     write(tmp_path / "cgroup" / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")
-    assert available_host_memory(meminfo, tmp_path / "cgroup", self_cgroup) == 2 * GB - GB // 2
+    available = available_host_memory(meminfo, tmp_path / "cgroup", self_cgroup)
+    assert available == 2 * GB - (GB // 2 - GB // 4)
 
 
 def test_available_memory_without_limits_is_mem_available(tmp_path: Path) -> None:
