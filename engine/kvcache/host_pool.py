@@ -7,15 +7,11 @@ from collections.abc import Callable
 import torch
 
 from engine.host_memory import check_host_memory
+from engine.kvcache import host_copy
 from engine.kvcache.device_pool import DeviceKVPool
-from engine.kvcache.transfer import SlotRun, copy_all, fragmented, fused_kv_base, plan_runs
 from engine.platform import DeviceSpec, alloc_host, host_alloc_method
 
 HOST_LAYOUTS = ("layer_first", "page_first")
-# Upper bound of one device staging buffer; larger transfers are split into chunks.
-_STAGE_BYTES = 64 << 20
-# Tokens per fused gather on CPU: a temporary of a few MiB stays cache-friendly.
-_GATHER_TOKENS = 64
 
 
 class HostKVPool:
@@ -68,8 +64,6 @@ class HostKVPool:
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         # Tests set this to run the accelerator copy path (staging buffers) on CPU tensors.
         self._force_staged = False
-        self._fused_key: tuple[int, int] | None = None
-        self._fused_base: torch.Tensor | None = None
 
     # ------------------------------------------------------------ accounting
 
@@ -126,45 +120,6 @@ class HostKVPool:
 
     # ------------------------------------------------------------ copies
 
-    def _pairs(
-        self, device_pool: DeviceKVPool, layers: list[int]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device ``[S, H, D]``, host ``[N, H, D]``) buffers of K, then V, of ``layers``."""
-        split = 0 if self.layout == "layer_first" else 1  # page_first views are strided
-        host = [self.kv_buffer[kv].unbind(split) for kv in range(2)]
-        device = (device_pool.k_buffers, device_pool.v_buffers)
-        return [(device[kv][layer], host[kv][layer]) for kv in range(2) for layer in layers]
-
-    def _fused(self, device_pool: DeviceKVPool) -> torch.Tensor | None:
-        """The device pool as one ``[2, L, S, H, D]`` tensor, if its buffers are views of one."""
-        key = (id(device_pool), device_pool.k_buffers[0].data_ptr())
-        if self._fused_key != key:
-            self._fused_key, self._fused_base = key, fused_kv_base(device_pool)
-        return self._fused_base
-
-    def _groups(self, base: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device ``[G, S, H, D]``, host ``[G, N, H, D]``) views covering all layers."""
-        if self.layout == "layer_first":
-            return [(base.flatten(0, 1), self.kv_buffer.flatten(0, 1))]
-        return [(base[kv], self.kv_buffer[kv].transpose(0, 1)) for kv in range(2)]
-
-    def _plan_direct(
-        self,
-        device_pool: DeviceKVPool,
-        host_slots: torch.Tensor,
-        device_slots: torch.Tensor,
-        all_layers: bool,
-    ) -> tuple[list[SlotRun], torch.Tensor | None]:
-        """Runs for a CPU copy, and the fused device tensor when it can be used. With it,
-        a run costs one or two copies whatever the layer count, so runs are also split
-        where device slots jump (e.g. at page boundaries) unless they get too short."""
-        base = self._fused(device_pool) if all_layers else None
-        if base is not None:
-            runs = plan_runs(host_slots, device_slots, joint=True)
-            if not fragmented(runs, host_slots.numel()):
-                return runs, base
-        return plan_runs(host_slots, device_slots), base
-
     def _check(
         self, device_pool: DeviceKVPool, host_slots: torch.Tensor, device_slots: torch.Tensor
     ) -> torch.Tensor:
@@ -188,8 +143,9 @@ class HostKVPool:
         return device_pool.device.type != "cpu" or self._force_staged
 
     def _chunks(self, n: int, bytes_per_token: int) -> list[tuple[int, int]]:
-        step = max(self.page_size, _STAGE_BYTES // max(bytes_per_token, 1))
-        return [(s, min(s + step, n)) for s in range(0, n, step)]
+        """Pieces of at most one staging buffer (whole pages)."""
+        step = max(self.page_size, host_copy.STAGE_BYTES // max(bytes_per_token, 1))
+        return host_copy.pieces(n, step)
 
     def backup(
         self,
@@ -202,119 +158,15 @@ class HostKVPool:
         host_slots = self._check(device_pool, host_slots, device_slots)
         if host_slots.numel() == 0:
             return
+        device_slots = device_slots.reshape(-1).to(torch.int64)
         if not self._staged(device_pool):
-            self._backup_direct(device_pool, device_slots.reshape(-1).to(torch.int64), host_slots)
+            host_copy.backup_cpu(self, device_pool, device_slots, host_slots)
             return
-        device_slots = device_slots.reshape(-1).to(
-            device_pool.device, torch.int64, non_blocking=True
-        )
+        device_slots = device_slots.to(device_pool.device, non_blocking=True)
         for start, end in self._chunks(host_slots.numel(), self.bytes_per_token):
-            self._backup_staged(
-                device_pool, device_slots[start:end], host_slots[start:end], non_blocking
+            host_copy.backup_staged(
+                self, device_pool, device_slots[start:end], host_slots[start:end], non_blocking
             )
-
-    def _backup_direct(
-        self, device_pool: DeviceKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor
-    ) -> None:
-        """CPU pool: copy straight from the device buffers, one pass over the bytes."""
-        runs, base = self._plan_direct(device_pool, host_slots, device_slots, True)
-        many_runs = fragmented(runs, host_slots.numel())
-        if base is None:  # with the fused pool every branch below copies all layers at once
-            pairs = self._pairs(device_pool, list(range(self.num_layers)))
-        if many_runs and base is not None:
-            # One gather over every layer per piece: 2 x num_layers small copies cost more,
-            # and one huge temporary costs more than it saves.
-            self._gather_to_host(base, device_slots, host_slots)
-            return
-        if many_runs:
-            for src, dst in pairs:
-                dst.index_copy_(0, host_slots, src.index_select(0, device_slots))
-            return
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for run in runs:
-            host_part = slice(run.host_start, run.host_start + run.length)
-            if run.device_start >= 0:  # consecutive on both sides: memcpy-like copies
-                device_part = slice(run.device_start, run.device_start + run.length)
-                if base is not None:  # every layer in one or two strided copies
-                    for src, dst in self._groups(base):
-                        dsts.append(dst[:, host_part])
-                        srcs.append(src[:, device_part])
-                else:
-                    dsts.extend(dst[host_part] for _, dst in pairs)
-                    srcs.extend(src[device_part] for src, _ in pairs)
-                continue
-            index = device_slots[run.offset : run.offset + run.length]
-            if base is not None:
-                self._gather_to_host(base, index, host_slots[run.offset : run.offset + run.length])
-                continue
-            for src, dst in pairs:  # gather straight into the host run
-                out = dst[host_part]
-                if out.is_contiguous():
-                    torch.index_select(src, 0, index, out=out)
-                else:
-                    out.copy_(src.index_select(0, index))
-        copy_all(dsts, srcs)
-
-    def _gather_to_host(
-        self, base: torch.Tensor, device_slots: torch.Tensor, host_slots: torch.Tensor
-    ) -> None:
-        """One gather over every layer of the fused device pool per cache-sized piece."""
-        for lo in range(0, device_slots.numel(), _GATHER_TOKENS):
-            gathered = base.index_select(2, device_slots[lo : lo + _GATHER_TOKENS])
-            host_piece = host_slots[lo : lo + _GATHER_TOKENS]  # gathered: [2, L, piece, H, D]
-            if self.layout == "layer_first":
-                self.kv_buffer.index_copy_(2, host_piece, gathered)
-            else:
-                self.kv_buffer.index_copy_(1, host_piece, gathered.transpose(1, 2))
-
-    def _backup_staged(
-        self,
-        device_pool: DeviceKVPool,
-        device_slots: torch.Tensor,
-        host_slots: torch.Tensor,
-        non_blocking: bool,
-    ) -> None:
-        """Accelerator pool: gather on the device into the host layout, then one DMA per
-        host run (per layer for layer_first, all layers at once for page_first)."""
-        n, layer_first = host_slots.numel(), self.layout == "layer_first"
-        geometry = (self.kv_heads, self.head_dim)
-        shape = (
-            (2, self.num_layers, n, *geometry)
-            if layer_first
-            else (2, n, self.num_layers, *geometry)
-        )
-        stage = torch.empty(shape, dtype=self.dtype, device=device_pool.device)
-        base = self._fused(device_pool)
-        if base is not None and layer_first:  # one gather kernel for every layer
-            torch.index_select(base.flatten(0, 1), 1, device_slots, out=stage.flatten(0, 1))
-        elif base is not None:
-            for kv in range(2):  # [L, n, H, D] -> [n, L, H, D]
-                stage[kv] = base[kv].index_select(1, device_slots).transpose(0, 1)
-        else:
-            for kv, buffers in enumerate((device_pool.k_buffers, device_pool.v_buffers)):
-                for layer, src in enumerate(buffers):
-                    if layer_first:  # stage[kv, layer]: [n, H, D] contiguous
-                        torch.index_select(src, 0, device_slots, out=stage[kv, layer])
-                    else:
-                        stage[kv, :, layer] = src.index_select(0, device_slots)
-        runs = plan_runs(host_slots, None)
-        if fragmented(runs, n):  # one blocking DMA, scatter on the CPU
-            self.kv_buffer.index_copy_(2 if layer_first else 1, host_slots, stage.cpu())
-            return
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for run in runs:
-            host_part = slice(run.host_start, run.host_start + run.length)
-            stage_part = slice(run.offset, run.offset + run.length)
-            for kv in range(2):
-                if layer_first:  # host runs are contiguous per layer only
-                    dsts.extend(self.kv_buffer[kv, :, host_part].unbind(0))
-                    srcs.extend(stage[kv, :, stage_part].unbind(0))
-                else:  # [length, L, H, D] contiguous on both sides
-                    dsts.append(self.kv_buffer[kv, host_part])
-                    srcs.append(stage[kv, stage_part])
-        copy_all(dsts, srcs, non_blocking)
 
     def load_layer(
         self,
@@ -337,14 +189,8 @@ class HostKVPool:
     ) -> None:
         """Copy all layers from ``host_slots`` into ``device_slots``, calling
         ``on_layer(layer)`` once that layer's copies are issued (events go there)."""
-        self._load(
-            device_pool,
-            host_slots,
-            device_slots,
-            list(range(self.num_layers)),
-            non_blocking,
-            on_layer,
-        )
+        layers = list(range(self.num_layers))
+        self._load(device_pool, host_slots, device_slots, layers, non_blocking, on_layer)
 
     def _load(
         self,
@@ -358,134 +204,31 @@ class HostKVPool:
         host_slots = self._check(device_pool, host_slots, device_slots)
         device_slots = device_slots.reshape(-1).to(torch.int64)
         notify = on_layer if on_layer is not None else (lambda layer: None)
-        all_layers = len(layers) == self.num_layers
-        if host_slots.numel() == 0 or not self._staged(device_pool):
-            if host_slots.numel():
-                self._load_direct(device_pool, host_slots, device_slots, layers, all_layers)
+        n = host_slots.numel()
+        if n == 0 or not self._staged(device_pool):
+            if n:
+                host_copy.load_cpu(self, device_pool, host_slots, device_slots, layers)
             for layer in layers:
                 notify(layer)
             return
         device_slots = device_slots.to(device_pool.device, non_blocking=True)
-        if self.layout == "page_first" and all_layers:  # one DMA per run carries every layer
-            chunks = self._chunks(host_slots.numel(), self.bytes_per_token)
-            for i, (start, end) in enumerate(chunks):
-                self._load_page_first_staged(
+        # page_first: one DMA per host run carries every layer, so one group of all
+        # layers; layer_first: layer by layer, so compute can start on the first ones.
+        all_at_once = self.layout == "page_first" and len(layers) == self.num_layers
+        groups = [layers] if all_at_once else [[layer] for layer in layers]
+        for group in groups:
+            group_bytes = self.bytes_per_token * len(group) // self.num_layers
+            for start, end in self._chunks(n, group_bytes):
+                host_copy.load_staged(
+                    self,
                     device_pool,
                     host_slots[start:end],
                     device_slots[start:end],
+                    group,
                     non_blocking,
-                    notify if i == len(chunks) - 1 else None,
                 )
-            return
-        chunks = self._chunks(host_slots.numel(), self.bytes_per_token // self.num_layers)
-        for layer in layers:
-            for start, end in chunks:
-                self._load_layer_staged(
-                    device_pool, host_slots[start:end], device_slots[start:end], layer, non_blocking
-                )
-            notify(layer)
-
-    def _load_direct(
-        self,
-        device_pool: DeviceKVPool,
-        host_slots: torch.Tensor,
-        device_slots: torch.Tensor,
-        layers: list[int],
-        all_layers: bool,
-    ) -> None:
-        runs, base = self._plan_direct(device_pool, host_slots, device_slots, all_layers)
-        many_runs = fragmented(runs, host_slots.numel())
-        if many_runs or base is None or any(run.device_start < 0 for run in runs):
-            pairs = self._pairs(device_pool, layers)
-        if many_runs:
-            for dst, src in pairs:
-                dst.index_copy_(0, device_slots, src.index_select(0, host_slots))
-            return
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for run in runs:
-            host_part = slice(run.host_start, run.host_start + run.length)
-            if run.device_start >= 0:
-                device_part = slice(run.device_start, run.device_start + run.length)
-                if base is not None:
-                    for dst, src in self._groups(base):
-                        dsts.append(dst[:, device_part])
-                        srcs.append(src[:, host_part])
-                else:
-                    dsts.extend(dst[device_part] for dst, _ in pairs)
-                    srcs.extend(src[host_part] for _, src in pairs)
-                continue
-            index = device_slots[run.offset : run.offset + run.length]
-            if base is not None:  # one scatter over every layer from the host run
-                if self.layout == "layer_first":
-                    base.index_copy_(2, index, self.kv_buffer[:, :, host_part])
-                else:
-                    base.index_copy_(2, index, self.kv_buffer[:, host_part].transpose(1, 2))
-                continue
-            for dst, src in pairs:  # scatter straight from the host run
-                dst.index_copy_(0, index, src[host_part])
-        copy_all(dsts, srcs)
-
-    def _load_layer_staged(
-        self,
-        device_pool: DeviceKVPool,
-        host_slots: torch.Tensor,
-        device_slots: torch.Tensor,
-        layer: int,
-        non_blocking: bool,
-    ) -> None:
-        n = host_slots.numel()
-        stage = torch.empty(
-            (2, n, self.kv_heads, self.head_dim), dtype=self.dtype, device=device_pool.device
-        )
-        runs = plan_runs(host_slots, None)
-        for kv in range(2):
-            src = self._pairs(device_pool, [layer])[kv][1]  # host [N, H, D]
-            if fragmented(runs, n):  # gather on the CPU, one DMA
-                stage[kv].copy_(src.index_select(0, host_slots))
-                continue
-            for run in runs:
-                stage[kv, run.offset : run.offset + run.length].copy_(
-                    src[run.host_start : run.host_start + run.length], non_blocking=non_blocking
-                )
-        device_pool.k_buffers[layer].index_copy_(0, device_slots, stage[0])
-        device_pool.v_buffers[layer].index_copy_(0, device_slots, stage[1])
-
-    def _load_page_first_staged(
-        self,
-        device_pool: DeviceKVPool,
-        host_slots: torch.Tensor,
-        device_slots: torch.Tensor,
-        non_blocking: bool,
-        on_layer: Callable[[int], None] | None,
-    ) -> None:
-        n = host_slots.numel()
-        stage = torch.empty(
-            (2, n, self.num_layers, self.kv_heads, self.head_dim),
-            dtype=self.dtype,
-            device=device_pool.device,
-        )
-        runs = plan_runs(host_slots, None)
-        if fragmented(runs, n):
-            stage.copy_(self.kv_buffer.index_select(1, host_slots))
-        else:
-            dsts = [stage[kv, r.offset : r.offset + r.length] for r in runs for kv in range(2)]
-            srcs = [
-                self.kv_buffer[kv, r.host_start : r.host_start + r.length]
-                for r in runs
-                for kv in range(2)
-            ]
-            copy_all(dsts, srcs, non_blocking)  # [length, L, H, D] contiguous on both sides
-        base = self._fused(device_pool)
-        if base is not None:  # one scatter kernel per K/V for every layer
-            for kv in range(2):
-                base[kv].index_copy_(1, device_slots, stage[kv].transpose(0, 1))
-        for layer in range(self.num_layers):
-            if base is None:
-                device_pool.k_buffers[layer].index_copy_(0, device_slots, stage[0, :, layer])
-                device_pool.v_buffers[layer].index_copy_(0, device_slots, stage[1, :, layer])
-            if on_layer is not None:
-                on_layer(layer)
+            for layer in group:
+                notify(layer)
 
     def close(self) -> None:
         """Release the host buffer (unregisters host-registered memory); idempotent."""

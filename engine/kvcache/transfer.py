@@ -1,7 +1,7 @@
-"""Device <-> host KV copies for HiCache.
+"""Asynchronous device <-> host KV copies for HiCache.
 
-Copy planning (runs of consecutive slots) shared with HostKVPool, and KVTransfer, which
-runs HostKVPool's copies on side streams with events on GPUs and at once on CPU.
+KVTransfer runs HostKVPool's copies (engine/kvcache/host_copy.py) on side streams with
+events on GPUs, and at once on CPU; TransferHandle tracks one of them.
 """
 
 from __future__ import annotations
@@ -9,103 +9,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.platform import DeviceSpec, current_stream, new_event, new_stream, parse_device
 from engine.platform import stream_context as use_stream
 
-if TYPE_CHECKING:  # host_pool imports the copy helpers below
+if TYPE_CHECKING:
     from engine.kvcache.host_pool import HostKVPool
 
 logger = logging.getLogger(__name__)
-# Below this mean run length, per-run copies cost more in calls than they save.
-_MIN_MEAN_RUN = 4
-
-# ---------------------------------------------------------------- copy planning
-
-
-class SlotRun(NamedTuple):
-    """Positions ``offset .. offset+length-1`` of a slot list whose host slots are
-    consecutive from ``host_start``; ``device_start`` >= 0 when the device slots are too."""
-
-    offset: int
-    host_start: int
-    length: int
-    device_start: int
-
-
-def plan_runs(
-    host_slots: torch.Tensor, device_slots: torch.Tensor | None, joint: bool = False
-) -> list[SlotRun]:
-    """Split a transfer into maximal runs of consecutive host slots (CPU int64 tensors);
-    with ``joint``, also where the device slots stop being consecutive.
-
-    Planned with numpy: a handful of torch calls here would cost more than a 1 MiB copy.
-    """
-    host = host_slots.numpy()
-    if host.size == 0:
-        return []
-    breaks = np.diff(host) != 1
-    if joint and device_slots is not None:
-        breaks |= np.diff(device_slots.numpy()) != 1
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    ends = np.concatenate((starts[1:], [host.size]))
-    if device_slots is None:
-        device_first = np.full(starts.size, -1)
-    else:
-        device = device_slots.numpy()
-        breaks_before = np.concatenate(([0], np.cumsum(np.diff(device) != 1)))  # [n]
-        consecutive = breaks_before[ends - 1] == breaks_before[starts]
-        device_first = np.where(consecutive, device[starts], -1)
-    columns = zip(
-        starts.tolist(),
-        host[starts].tolist(),
-        (ends - starts).tolist(),
-        device_first.tolist(),
-        strict=True,
-    )
-    return [SlotRun(*column) for column in columns]
-
-
-def fragmented(runs: list[SlotRun], num_tokens: int) -> bool:
-    """Too many short runs: one indexed copy beats a copy per run."""
-    return len(runs) > 1 and len(runs) * _MIN_MEAN_RUN > num_tokens
-
-
-def fused_kv_base(device_pool: DeviceKVPool) -> torch.Tensor | None:
-    """The ``[2, L, S, H, D]`` tensor whose ``[kv, layer]`` views are the pool's buffers."""
-    base = device_pool.k_buffers[0]._base
-    layers = device_pool.num_layers
-    if base is None or base.dim() != 5 or tuple(base.shape[:2]) != (2, layers):
-        return None
-    for kv, buffers in enumerate((device_pool.k_buffers, device_pool.v_buffers)):
-        for layer, buffer in enumerate(buffers):
-            view = base[kv, layer]
-            if (buffer.data_ptr(), buffer.shape, buffer.stride()) != (
-                view.data_ptr(),
-                view.shape,
-                view.stride(),
-            ):
-                return None
-    return base
-
-
-def copy_all(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False
-) -> None:
-    """Pairwise ``dst.copy_(src)``; between CPU tensors in one dispatch, since per-call
-    overhead dominates small runs (device copies are one DMA each either way)."""
-    if not dsts:
-        return
-    if dsts[0].device.type == srcs[0].device.type == "cpu":
-        torch._foreach_copy_(dsts, srcs)
-        return
-    for dst, src in zip(dsts, srcs, strict=True):
-        dst.copy_(src, non_blocking=non_blocking)
 
 
 # ---------------------------------------------------------------- asynchronous transfers

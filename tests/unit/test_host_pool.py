@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from engine import host_memory, platform
 from engine.host_memory import HostMemoryError
-from engine.kvcache import host_pool as host_pool_module
-from engine.kvcache import transfer as transfer_module
+from engine.kvcache import host_copy
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
 from engine.platform import DeviceSpec
@@ -21,29 +20,14 @@ CPU = DeviceSpec("cpu")
 LAYERS, HEADS, DIM = 3, 2, 4
 
 
-def fuse(pool: DeviceKVPool) -> DeviceKVPool:
-    """Re-home the per-layer buffers as views of one ``[2, L, S, H, D]`` tensor."""
-    kv = torch.stack([torch.stack(pool.k_buffers), torch.stack(pool.v_buffers)])
-    pool.k_buffers = list(kv[0].unbind(0))
-    pool.v_buffers = list(kv[1].unbind(0))
-    return pool
-
-
 def make_pools(
     layout: str,
     page_size: int,
     device_slots: int = 64,
     host_tokens: int = 96,
     dtype: torch.dtype = torch.float32,
-    fused: bool = False,
 ) -> tuple[DeviceKVPool, HostKVPool]:
     device_pool = DeviceKVPool(LAYERS, device_slots, HEADS, DIM, dtype, "cpu")
-    if fused:
-        fuse(device_pool)
-    else:
-        # Separate per-layer tensors (how a backend without one fused buffer lays it out).
-        device_pool.k_buffers = [b.clone() for b in device_pool.k_buffers]
-        device_pool.v_buffers = [b.clone() for b in device_pool.v_buffers]
     generator = torch.Generator().manual_seed(0)
     for buffer in (*device_pool.k_buffers, *device_pool.v_buffers):
         buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
@@ -101,14 +85,23 @@ def slots_for(
     return device_slots, fragmented_host_slots(host, n)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+@pytest.mark.parametrize("piece_bytes", [None, 1], ids=["one_piece", "token_pieces"])
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_round_trip(layout: str, page_size: int, pattern: str, staged: bool, fused: bool) -> None:
-    device_pool, host = make_pools(layout, page_size, fused=fused)
-    assert (host._fused(device_pool) is not None) is fused
+def test_round_trip(
+    layout: str,
+    page_size: int,
+    pattern: str,
+    staged: bool,
+    piece_bytes: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if piece_bytes is not None:  # CPU copies one token per piece; staging one page per chunk
+        monkeypatch.setattr(host_copy, "CPU_PIECE_BYTES", piece_bytes)
+        monkeypatch.setattr(host_copy, "STAGE_BYTES", piece_bytes)
+    device_pool, host = make_pools(layout, page_size)
     host._force_staged = staged
     n = 24
     device_slots, host_slots = slots_for(pattern, host, device_pool, n)
@@ -171,31 +164,28 @@ def test_load_layer_moves_one_layer_only(layout: str, staged: bool) -> None:
         assert torch.equal(device_kv(device_pool, 0, layer, targets), before[layer])
 
 
-def test_fused_detection_needs_every_buffer_to_be_a_view() -> None:
-    device_pool, host = make_pools("layer_first", 1, fused=True)
-    assert host._fused(device_pool) is not None
-    device_pool.v_buffers[1] = device_pool.v_buffers[1].clone()  # one buffer re-homed
-    assert transfer_module.fused_kv_base(device_pool) is None
-
-
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_staged_copies_in_chunks(layout: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_pool_module, "_STAGE_BYTES", 1)  # one page per chunk
-    device_pool, host = make_pools(layout, page_size=4, dtype=torch.bfloat16, fused=fused)
-    host._force_staged = True
-    host_slots = host.alloc(20)
-    assert host_slots is not None
-    device_slots = torch.randperm(39)[:20] + 1  # disjoint from the targets
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_copies_are_bit_exact(layout: str, dtype: torch.dtype, staged: bool) -> None:
+    """Every bit pattern survives a round trip, NaN payloads and infinities included (CPU
+    loads move rows as wider elements; that must never be an arithmetic copy)."""
+    device_pool, host = make_pools(layout, page_size=1, dtype=dtype)
+    host._force_staged = staged
+    bits = device_pool.kv_buffer.view(torch.uint8)
+    bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8))
+    nan_like = device_pool.kv_buffer.view(-1)[:64]
+    nan_like.view(torch.uint8).fill_(0xFF)  # all-ones: NaN with a full payload
+    device_slots = torch.randperm(device_pool.num_slots - 1)[:20] + 1
+    host_slots = fragmented_host_slots(host, 20)
+    original = device_pool.kv_buffer.clone()
     host.backup(device_pool, device_slots, host_slots)
-    targets = torch.arange(40, 60)
+    targets = torch.arange(device_pool.num_slots - 20, device_pool.num_slots)
+    device_pool.kv_buffer[:, :, targets] = 0
     host.load(device_pool, host_slots, targets)
-    for kv in range(2):
-        for layer in range(LAYERS):
-            assert torch.equal(
-                device_kv(device_pool, kv, layer, targets),
-                device_kv(device_pool, kv, layer, device_slots),
-            )
+    raw = device_pool.kv_buffer.view(torch.uint8)
+    want = original.view(torch.uint8)
+    assert torch.equal(raw[:, :, targets], want[:, :, device_slots])
 
 
 def test_empty_and_mismatched_copies() -> None:

@@ -1,0 +1,266 @@
+"""The copies behind HostKVPool.backup/load: device KV pool <-> host KV pool.
+
+Both pools are addressed as flat rows of one token's K (or V) in one layer (``H * D``
+values): the device pool ``[2, L, S, H, D]`` has row ``(kv * L + layer) * S + slot``; the
+host pool has row ``(kv * L + layer) * N + slot`` (layer_first ``[2, L, N, H, D]``) or
+``(kv * N + slot) * L + layer`` (page_first ``[2, N, L, H, D]``). A copy of any slot set
+over any layer set is then one gather (``index_select``) and at most one scatter
+(``index_copy_``) over row ids, whatever the layer count, instead of 2 x L small copies.
+Row ids are built in the host buffer's memory order, so a run of consecutive host slots
+is a contiguous block (page_first) or one block per layer plane (layer_first).
+
+On CPU the pools share memory: copies go straight between them, in pieces of a few MiB.
+On accelerators a device-side staging buffer in the host layout is filled by one gather
+kernel, then moved by one DMA per host run (asynchronous from pinned memory).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+from engine.kvcache.device_pool import DeviceKVPool
+
+if TYPE_CHECKING:
+    from engine.kvcache.host_pool import HostKVPool
+
+# Below this mean run length, per-run copies cost more in calls than they save.
+_MIN_MEAN_RUN = 4
+# Upper bound of one device staging buffer; larger transfers are split into chunks.
+STAGE_BYTES = 64 << 20
+# Bytes per CPU piece: a temporary of this size stays in the last-level cache.
+CPU_PIECE_BYTES = 4 << 20
+
+
+# ---------------------------------------------------------------- planning
+
+
+class SlotRun(NamedTuple):
+    """Positions ``offset .. offset+length-1`` of a slot list whose host slots are
+    consecutive from ``host_start``."""
+
+    offset: int
+    host_start: int
+    length: int
+
+
+def plan_runs(host_slots: torch.Tensor) -> list[SlotRun]:
+    """Split a CPU int64 slot list into maximal runs of consecutive slots (numpy: a few
+    torch calls here would cost more than a 1 MiB copy)."""
+    host = host_slots.numpy()
+    if host.size == 0:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(host) != 1) + 1))
+    ends = np.concatenate((starts[1:], [host.size]))
+    columns = zip(starts.tolist(), host[starts].tolist(), (ends - starts).tolist(), strict=True)
+    return [SlotRun(*column) for column in columns]
+
+
+def fragmented(runs: list[SlotRun], num_tokens: int) -> bool:
+    """Too many short runs: one indexed copy beats a copy per run."""
+    return len(runs) > 1 and len(runs) * _MIN_MEAN_RUN > num_tokens
+
+
+def run_start(slots: torch.Tensor) -> int | None:
+    """First slot if ``slots`` (CPU int64) are consecutive, else None."""
+    n = slots.numel()
+    first = int(slots[0])
+    if n == 1 or (int(slots[-1]) - first == n - 1 and bool((slots.diff() == 1).all())):
+        return first
+    return None
+
+
+def pieces(num_tokens: int, tokens_per_piece: int) -> list[tuple[int, int]]:
+    step = max(1, tokens_per_piece)
+    return [(s, min(s + step, num_tokens)) for s in range(0, num_tokens, step)]
+
+
+def copy_all(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False
+) -> None:
+    """Pairwise ``dst.copy_(src)``; between CPU tensors in one dispatch, since per-call
+    overhead dominates small runs (device copies are one DMA each either way)."""
+    if not dsts:
+        return
+    if dsts[0].device.type == srcs[0].device.type == "cpu":
+        torch._foreach_copy_(dsts, srcs)
+        return
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+# ---------------------------------------------------------------- row ids
+
+
+def _layer_ids(layers: list[int]) -> torch.Tensor:
+    return torch.tensor(layers, dtype=torch.int64)
+
+
+def device_rows(
+    pool: DeviceKVPool, slots: torch.Tensor, layers: list[int], layer_major: bool
+) -> torch.Tensor:
+    """Device row ids ``[2, layers, n]`` (layer_major) or ``[2, n, layers]``."""
+    planes = (torch.arange(2)[:, None] * pool.num_layers + _layer_ids(layers)) * pool.num_slots
+    planes = planes.to(slots.device)  # [2, layers]
+    if layer_major:
+        return planes[:, :, None] + slots[None, None, :]
+    return planes[:, None, :] + slots[None, :, None]
+
+
+def host_rows(host: HostKVPool, slots: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """Host row ids in the host buffer's order: ``[2, layers, n]`` or ``[2, n, layers]``."""
+    kv = torch.arange(2)[:, None, None]
+    if host.layout == "layer_first":
+        return (kv * host.num_layers + _layer_ids(layers)[:, None]) * host.capacity + slots
+    return (kv * host.capacity + slots[:, None]) * host.num_layers + _layer_ids(layers)
+
+
+def rows_view(buffer: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """``[rows, H * D]`` view of a KV buffer. ``wide``: reinterpret each row as 16-byte
+    elements where it divides evenly; CPU scatters run per element, so fewer, wider
+    elements move the same bytes faster (a bit-exact copy, never arithmetic)."""
+    rows = buffer.view(-1, buffer.shape[-2] * buffer.shape[-1])
+    if wide and rows.device.type == "cpu" and (rows.shape[1] * rows.element_size()) % 16 == 0:
+        return rows.view(torch.uint8).view(torch.complex128)
+    return rows
+
+
+# ---------------------------------------------------------------- CPU: one pass, in place
+
+
+def backup_cpu(
+    host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor
+) -> None:
+    """All layers of ``device_slots`` into ``host_slots`` (both on the CPU)."""
+    layers = list(range(host.num_layers))
+    layer_first = host.layout == "layer_first"
+    src = rows_view(pool.kv_buffer)
+    dst = rows_view(host.kv_buffer)
+    planes = 2 * host.num_layers
+    for lo, hi in pieces(host_slots.numel(), CPU_PIECE_BYTES // host.bytes_per_token):
+        d, h = device_slots[lo:hi], host_slots[lo:hi]
+        rows = device_rows(pool, d, layers, layer_major=layer_first)
+        start, m = run_start(h), hi - lo
+        if start is None:  # scattered host slots: gather, then scatter
+            dst.index_copy_(
+                0, host_rows(host, h, layers).reshape(-1), src.index_select(0, rows.reshape(-1))
+            )
+        elif layer_first:  # one block per layer plane
+            gathered = src.index_select(0, rows.reshape(-1)).view(planes, m, -1)
+            dst.view(planes, host.capacity, -1)[:, start : start + m].copy_(gathered)
+        else:  # each K/V half is one contiguous block: gather straight into it
+            per_kv = m * host.num_layers
+            for kv in range(2):
+                first = (kv * host.capacity + start) * host.num_layers
+                torch.index_select(src, 0, rows[kv].reshape(-1), out=dst[first : first + per_kv])
+
+
+def load_cpu(
+    host: HostKVPool,
+    pool: DeviceKVPool,
+    host_slots: torch.Tensor,
+    device_slots: torch.Tensor,
+    layers: list[int],
+) -> None:
+    """``layers`` of ``host_slots`` into ``device_slots`` (both on the CPU)."""
+    layer_first = host.layout == "layer_first"
+    dst = rows_view(pool.kv_buffer, wide=True)
+    src = rows_view(host.kv_buffer, wide=True)
+    contiguous_halves = not layer_first and len(layers) == host.num_layers
+    for lo, hi in pieces(host_slots.numel(), CPU_PIECE_BYTES // host.bytes_per_token):
+        d, h = device_slots[lo:hi], host_slots[lo:hi]
+        rows = device_rows(pool, d, layers, layer_major=layer_first)
+        start = run_start(h) if contiguous_halves else None
+        if start is None:  # gather the host rows (memcpy-fast), one scatter
+            values = src.index_select(0, host_rows(host, h, layers).reshape(-1))
+            dst.index_copy_(0, rows.reshape(-1), values)
+            continue
+        per_kv = (hi - lo) * host.num_layers
+        for kv in range(2):  # each K/V half of the run is one contiguous block
+            first = (kv * host.capacity + start) * host.num_layers
+            dst.index_copy_(0, rows[kv].reshape(-1), src[first : first + per_kv])
+
+
+# ---------------------------------------------------------------- accelerators: staged
+
+
+def backup_staged(
+    host: HostKVPool,
+    pool: DeviceKVPool,
+    device_slots: torch.Tensor,  # on the device
+    host_slots: torch.Tensor,  # CPU
+    non_blocking: bool,
+) -> None:
+    """One gather kernel into a device buffer in the host layout, then one DMA per host
+    run (per layer plane for layer_first, per K/V half for page_first)."""
+    layers = list(range(host.num_layers))
+    layer_first = host.layout == "layer_first"
+    n = host_slots.numel()
+    rows = device_rows(pool, device_slots, layers, layer_major=layer_first)
+    stage = rows_view(pool.kv_buffer).index_select(0, rows.reshape(-1))  # [rows, H*D]
+    runs = plan_runs(host_slots)
+    dst = rows_view(host.kv_buffer)
+    if fragmented(runs, n):  # one blocking DMA, scatter on the CPU
+        dst.index_copy_(0, host_rows(host, host_slots, layers).reshape(-1), stage.cpu())
+        return
+    planes = 2 * host.num_layers
+    if layer_first:
+        stage_planes = stage.view(planes, n, -1)
+        host_planes = dst.view(planes, host.capacity, -1)
+    else:
+        stage_planes = stage.view(2, n * host.num_layers, -1)
+        host_planes = dst.view(2, host.capacity * host.num_layers, -1)
+    scale = 1 if layer_first else host.num_layers  # rows per slot within a plane
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for run in runs:
+        host_part = slice(run.host_start * scale, (run.host_start + run.length) * scale)
+        stage_part = slice(run.offset * scale, (run.offset + run.length) * scale)
+        dsts.extend(host_planes[:, host_part].unbind(0))
+        srcs.extend(stage_planes[:, stage_part].unbind(0))
+    copy_all(dsts, srcs, non_blocking)
+
+
+def load_staged(
+    host: HostKVPool,
+    pool: DeviceKVPool,
+    host_slots: torch.Tensor,  # CPU
+    device_slots: torch.Tensor,  # on the device
+    layers: list[int],
+    non_blocking: bool,
+) -> None:
+    """``layers`` of host rows into a device buffer (one DMA per host run and layer plane,
+    or per run and K/V half when ``layers`` is all of page_first's; else a CPU gather and
+    one DMA), then one scatter kernel into the device pool."""
+    n = host_slots.numel()
+    layer_first = host.layout == "layer_first"
+    src = rows_view(host.kv_buffer)
+    dst = rows_view(pool.kv_buffer)
+    rows = device_rows(pool, device_slots, layers, layer_major=layer_first)
+    stage = torch.empty((*rows.shape, src.shape[1]), dtype=src.dtype, device=dst.device)
+    runs = plan_runs(host_slots)
+    if fragmented(runs, n) or not (layer_first or len(layers) == host.num_layers):
+        # NOTE: blocking: the gathered temporary is pageable and freed right after.
+        stage.view(-1, src.shape[1]).copy_(
+            src.index_select(0, host_rows(host, host_slots, layers).reshape(-1))
+        )
+    else:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        per_token = 1 if layer_first else host.num_layers
+        for run in runs:
+            part = slice(run.offset, run.offset + run.length)
+            for kv in range(2):
+                if layer_first:  # [2, layers, n, H*D]: one block per layer plane
+                    for i, layer in enumerate(layers):
+                        first = (kv * host.num_layers + layer) * host.capacity + run.host_start
+                        dsts.append(stage[kv, i, part])
+                        srcs.append(src[first : first + run.length])
+                else:  # [2, n, L, H*D]: the run's K (or V) rows are one block
+                    first = (kv * host.capacity + run.host_start) * per_token
+                    dsts.append(stage[kv, part].flatten(0, 1))
+                    srcs.append(src[first : first + run.length * per_token])
+        copy_all(dsts, srcs, non_blocking)
+    dst.index_copy_(0, rows.reshape(-1), stage.view(-1, src.shape[1]))
