@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test lint typecheck bench clean
+.PHONY: setup serve test lint typecheck bench device-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ test: setup
 
 bench: setup
 	$(PY) -m bench.offline
+
+# On a machine with a CUDA GPU and a CUDA build of torch (TORCH_PIN=torch): the paths
+# CPU CI only covers with fakes (pinned host memory, copy streams and events).
+device-check: setup
+	$(VENV)/bin/pytest -q -ra -m cuda tests/unit
+	$(PY) -m bench.host_copy --device cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
