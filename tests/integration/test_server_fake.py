@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -332,6 +333,35 @@ def test_disconnect_aborts(fake: Fake, tools: SimpleNamespace) -> None:
         httpx.post(srv.base_url + "/v1/completions", headers=_auth(), json=body, timeout=0.3)
     assert tools.wait_until(lambda: len(engine.aborted) == 2, timeout=5)
     assert time.monotonic() - started < 5
+    assert not engine.running
+
+
+def _stream_texts(lines: Iterator[str], count: int) -> list[str]:
+    """Text of the next ``count`` completion chunks of an SSE stream."""
+    texts: list[str] = []
+    for line in lines:
+        if line.startswith("data: {"):
+            texts.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+            if len(texts) == count:
+                break
+    return texts
+
+
+def test_held_stream_stays_live(fake: Fake, tools: SimpleNamespace) -> None:
+    """The server ends a stream only when it finishes or the client goes away: a client that
+    holds the stream without reading for a while loses nothing and reads on from there."""
+    engine, srv = fake
+    engine.step_delay = 0.02  # 200 tokens: ~4 s unless aborted
+    body = {"prompt": "x", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", srv.base_url + "/v1/completions", headers=_auth(), json=body) as resp:
+        # Kept referenced: a dropped iter_lines() iterator is finalized at once, and httpx
+        # then closes the connection mid-body (the server rightly aborts).
+        lines = resp.iter_lines()
+        assert _stream_texts(lines, 3) == ["a", "b", "c"]
+        time.sleep(0.5)  # not reading; the server goes on producing
+        assert not engine.aborted and len(engine.running) == 1
+        assert _stream_texts(lines, 2) == ["d", "e"]
+    assert tools.wait_until(lambda: len(engine.aborted) == 1, timeout=5)
     assert not engine.running
 
 
