@@ -15,6 +15,8 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 HICACHE_HOST_ALLOC = ("auto", "pin_memory", "host_register", "pageable")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# auto: the native CPU decode kernel for float32 on the CPU where it builds, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class ModelConfig:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
+    attention_backend: str = "auto"
     served_model_name: str | None = None
     # Where converted GGUF models are cached; None: $HISERVE_CACHE_DIR or ~/.cache/hiserve.
     cache_dir: str | None = None
@@ -69,6 +72,7 @@ class EngineConfig(SchedulerConfig):
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
         _check_choice("hicache_mem_layout", self.hicache_mem_layout, HICACHE_MEM_LAYOUTS)

@@ -41,7 +41,11 @@ class Engine:
         self.model_path: Path = loader.resolve_model_path(config.model, config.cache_dir)
         self.hf_config = loader.load_hf_config(self.model_path)
         self.tokenizer = loader.load_tokenizer(self.model_path)
-        self.model = loader.load_model(self.model_path, self.device, self.dtype)
+        self.model = loader.load_model(
+            self.model_path, self.device, self.dtype, config.attention_backend
+        )
+        backend: Any = getattr(self.model, "attn_backend", None)
+        self.attention_backend: str = backend.name if backend is not None else "unknown"
         self.vocab_size: int = self.hf_config.vocab_size
         context: Any = config.max_model_len or getattr(
             self.hf_config, "max_position_embeddings", 2048
@@ -314,6 +318,7 @@ class Engine:
             "model_path": str(self.model_path),
             "device": str(self.device_spec),
             "dtype": str(self.dtype).replace("torch.", ""),
+            "attention_backend": self.attention_backend,
             "max_model_len": self.max_model_len,
             "kv_total_tokens": self.kv.manager.capacity,
             "page_size": self.config.page_size,

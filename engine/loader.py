@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.attention import get_attention_backend
 from engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -291,7 +292,10 @@ def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
 
 
 def load_model(
-    path: str | os.PathLike[str], device: torch.device | str, dtype: torch.dtype
+    path: str | os.PathLike[str],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    attention_backend: str = "auto",
 ) -> nn.Module:
     """Build the registered model class for ``path`` on ``device`` in ``dtype``, load weights, eval().
 
@@ -301,9 +305,10 @@ def load_model(
     device = torch.device(device) if isinstance(device, str) else device
     hf_config = load_hf_config(path)
     model_cls = get_model_class(hf_config)
+    backend = get_attention_backend(attention_backend, device, dtype)
     # Build on the meta device: no memory, no random init; then allocate once, in dtype.
     with torch.device("meta"):
-        model = model_cls(hf_config)
+        model = model_cls(hf_config, backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(iter_safetensors(path))
     if (

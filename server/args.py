@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, NoReturn
 
 from engine.config import (
+    ATTENTION_BACKENDS,
     DTYPES,
     HICACHE_HOST_ALLOC,
     HICACHE_MEM_LAYOUTS,
@@ -59,6 +60,12 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("served-model-name", "model name reported by the API", "served_model_name"),
     FlagSpec("device", "cpu, cuda, cuda:1, musa:0, npu, xpu, mps or auto", "device"),
     FlagSpec("dtype", "weight and KV precision", "dtype", choices=DTYPES),
+    FlagSpec(
+        "attention-backend",
+        "attention kernels (auto: native CPU decode for float32 on CPU, else torch)",
+        "attention_backend",
+        choices=ATTENTION_BACKENDS,
+    ),
     FlagSpec("cache-dir", "where converted GGUF models are cached", "cache_dir"),
     FlagSpec("seed", "seed of the engine's default random generator", "seed"),
     FlagSpec("kv-cache-tokens", "device KV pool size in tokens", "kv_cache_tokens"),

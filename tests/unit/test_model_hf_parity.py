@@ -90,10 +90,18 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.15 * noise)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# Every case runs with the pure-PyTorch reference and with the native CPU decode kernel.
+BACKENDS = ("torch", "cpu_native")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(case, backend) for case in sorted(CASES) for backend in BACKENDS],
+    ids=lambda param: f"{param[0]}-{param[1]}",
+)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """(name, HF model, engine model, prompts) for one tiny configuration."""
-    name = request.param
+    """(name, HF model, engine model, prompts) for one tiny configuration and backend."""
+    name, backend = request.param
     config = CASES[name]()
     hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _randomize(hf_model, seed=len(name))
@@ -103,7 +111,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     hf_model.generation_config.pad_token_id = 0
     path = tmp_path_factory.mktemp(name)
     hf_model.save_pretrained(path)
-    model = load_model(path, torch.device("cpu"), torch.float32)
+    model = load_model(path, torch.device("cpu"), torch.float32, attention_backend=backend)
+    assert model.attn_backend.name == backend
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     return name, hf_model, model, prompts
@@ -201,8 +210,9 @@ def default_model_dir() -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 @torch.inference_mode()
-def test_default_model_greedy_matches_hf(default_model_dir: Path) -> None:
+def test_default_model_greedy_matches_hf(default_model_dir: Path, backend: str) -> None:
     tokenizer = load_tokenizer(default_model_dir)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(default_model_dir), local_files_only=True, dtype=torch.float32
@@ -218,7 +228,7 @@ def test_default_model_greedy_matches_hf(default_model_dir: Path) -> None:
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    model = load_model(default_model_dir, torch.device("cpu"), torch.float32)
+    model = load_model(default_model_dir, torch.device("cpu"), torch.float32, backend)
     ours = GreedyDriver(model, max_rows=4, max_context=128).generate(prompts, 32)
     eos = tokenizer.eos_token_id
     for prompt, gen in zip(prompts, ours):

@@ -1,0 +1,66 @@
+"""Native CPU kernels (engine/layers/csrc), compiled once on first use.
+
+``torch.utils.cpp_extension`` builds them with the machine's C++ compiler and ninja into
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and reuses the build
+afterwards. Where there is no compiler or the build fails, callers get None and keep the
+pure-PyTorch path; the reason is logged once and kept in ``build_error()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_lock = threading.Lock()
+_module: Any | None = None
+_error: str | None = None
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-fopenmp-simd"]
+    # Vector width from what torch itself detected on this CPU (never -march=native: a
+    # build cache shared with another machine must still run there).
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def paged_decode_kernel() -> Any | None:
+    """The compiled module (``paged_decode(q, k_cache, v_cache, table, rows, lens, scale)``),
+    or None when it cannot be built here."""
+    global _module, _error
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        flags = _cflags()
+        # The name carries the source and flags: a changed kernel is never served stale.
+        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
+        try:
+            from torch.utils import cpp_extension
+
+            logger.info("loading the native CPU attention kernel (built once on first use)")
+            _module = cpp_extension.load(
+                name=f"hiserve_paged_decode_{digest[:12]}",
+                sources=[str(_SOURCE)],
+                extra_cflags=flags,
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a failed build: keep PyTorch
+            lines = str(exc).strip().splitlines()
+            _error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+            logger.warning("native CPU attention kernel unavailable (%s); using PyTorch", _error)
+        return _module
+
+
+def build_error() -> str | None:
+    """Why the kernel could not be built (None if it was, or was never tried)."""
+    return _error

@@ -1,0 +1,130 @@
+// Decode attention straight from the paged KV pool, on the CPU.
+//
+// One new query token per sequence attends over the keys and values at its request-table
+// slots. The pure-PyTorch backend has to gather every sequence's K/V into a padded dense
+// tensor before SDPA (writing and re-reading all of it, every layer, every step); this
+// kernel reads each cached row once, where it lies. Work items are sequences; each K/V
+// row (all KV heads of one token, contiguous) is read once for all query heads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_input(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has the wrong dtype: ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+// q [B, Hq, D] float32; k_cache, v_cache [S, Hkv, D] float32; table [R, C] int32;
+// rows [B] int64 (table row of each sequence); lens [B] int64 (context length, >= 1).
+// Returns [B, Hq, D] float32: softmax(q . K^T * scale) . V per query head.
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& table,
+                           const torch::Tensor& rows, const torch::Tensor& lens, double scale) {
+  check_input(q, "q", torch::kFloat32, 3);
+  check_input(k_cache, "k_cache", torch::kFloat32, 3);
+  check_input(v_cache, "v_cache", torch::kFloat32, 3);
+  check_input(table, "table", torch::kInt32, 2);
+  check_input(rows, "rows", torch::kInt64, 1);
+  check_input(lens, "lens", torch::kInt64, 1);
+  const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
+  const int64_t num_slots = k_cache.size(0), kv_heads = k_cache.size(1);
+  const int64_t columns = table.size(1);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(k_cache.size(2) == dim, "head_dim of q and the KV cache differ");
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q heads must be a multiple of KV heads");
+  TORCH_CHECK(rows.size(0) == batch && lens.size(0) == batch, "rows/lens must have B entries");
+  const int64_t group = q_heads / kv_heads;
+
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k_cache.data_ptr<float>();
+  const float* v_data = v_cache.data_ptr<float>();
+  const int32_t* table_data = table.data_ptr<int32_t>();
+  const int64_t* row_data = rows.data_ptr<int64_t>();
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len_data[b] >= 1 && len_data[b] <= columns, "sequence ", b, " has length ",
+                len_data[b], " outside [1, ", columns, "]");
+    TORCH_CHECK(row_data[b] >= 0 && row_data[b] < table.size(0), "sequence ", b,
+                " has a request-table row out of range");
+  }
+  auto out = torch::empty_like(q);
+  float* out_data = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Rows this many tokens ahead are prefetched: slots are scattered, so without it every
+  // K/V row is a cache miss the core waits for.
+  constexpr int64_t kAhead = 4;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [q_heads, len]
+    std::vector<float> peak(q_heads), denom(q_heads);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = len_data[b];
+      const int32_t* slots = table_data + row_data[b] * columns;
+      for (int64_t j = 0; j < len; ++j) {
+        TORCH_CHECK(slots[j] >= 0 && slots[j] < num_slots, "KV slot ", slots[j], " out of range");
+      }
+      const float* q_seq = q_data + b * q_heads * dim;
+      scores.resize(static_cast<size_t>(q_heads * len));
+      std::fill(peak.begin(), peak.end(), neg_inf);
+      const int64_t row_size = kv_heads * dim;  // one token's K (or V): every head
+      for (int64_t j = 0; j < len; ++j) {
+        if (j + kAhead < len) {
+          const float* next = k_data + static_cast<int64_t>(slots[j + kAhead]) * row_size;
+          for (int64_t off = 0; off < row_size; off += 16) __builtin_prefetch(next + off);
+        }
+        const float* key_row = k_data + static_cast<int64_t>(slots[j]) * row_size;
+        for (int64_t qh = 0; qh < q_heads; ++qh) {
+          const float* query = q_seq + qh * dim;
+          const float* key = key_row + (qh / group) * dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+          dot *= fscale;
+          scores[qh * len + j] = dot;
+          peak[qh] = std::max(peak[qh], dot);
+        }
+      }
+      for (int64_t qh = 0; qh < q_heads; ++qh) {
+        float sum = 0.f;
+        float* row = scores.data() + qh * len;
+        for (int64_t j = 0; j < len; ++j) {
+          row[j] = std::exp(row[j] - peak[qh]);
+          sum += row[j];
+        }
+        denom[qh] = 1.f / sum;
+      }
+      float* out_seq = out_data + b * q_heads * dim;
+      std::fill(out_seq, out_seq + q_heads * dim, 0.f);
+      for (int64_t j = 0; j < len; ++j) {
+        if (j + kAhead < len) {
+          const float* next = v_data + static_cast<int64_t>(slots[j + kAhead]) * row_size;
+          for (int64_t off = 0; off < row_size; off += 16) __builtin_prefetch(next + off);
+        }
+        const float* value_row = v_data + static_cast<int64_t>(slots[j]) * row_size;
+        for (int64_t qh = 0; qh < q_heads; ++qh) {
+          const float weight = scores[qh * len + j] * denom[qh];
+          const float* value = value_row + (qh / group) * dim;
+          float* acc = out_seq + qh * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) acc[d] += weight * value[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Decode attention over a paged KV pool (CPU, float32)");
+}

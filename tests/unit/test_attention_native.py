@@ -1,0 +1,137 @@
+"""The native CPU decode kernel against the pure-PyTorch backend, and backend selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.layers import attention, cpu_kernels
+from engine.layers.attention import (
+    CpuNativeAttentionBackend,
+    TorchAttentionBackend,
+    get_attention_backend,
+)
+from engine.layers.attention_meta import AttentionMetadata
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_kernels.paged_decode_kernel()
+    # This machine has a C++ compiler: a failed build is a bug, not a reason to skip.
+    assert module is not None, cpu_kernels.build_error()
+    return module
+
+
+def decode_case(kv_heads: int, group: int, lens: list[int], seed: int = 0):
+    """A pool with scattered slots per sequence, its request table, and metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    head_dim, layers = 16, 2
+    pool = DeviceKVPool(layers, 400, kv_heads, head_dim, torch.float32, "cpu")
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen))
+    table = torch.zeros(8, 128, dtype=torch.int32)
+    rows = torch.randperm(8, generator=gen)[: len(lens)]
+    free = torch.randperm(399, generator=gen) + 1
+    used = 0
+    for row, n in zip(rows.tolist(), lens):
+        table[row, :n] = free[used : used + n].int()
+        used += n
+    # Stale slots past each length must be ignored.
+    table[:, max(lens) :] = 7
+    meta = AttentionMetadata(
+        is_decode=True,
+        out_slots=torch.zeros(len(lens), dtype=torch.int64),
+        req_rows=rows,
+        seq_lens=torch.tensor(lens),
+        req_table=table,
+        prefix_lens_list=[n - 1 for n in lens],
+        extend_lens_list=[1] * len(lens),
+        seq_lens_list=list(lens),
+        max_seq_len=max(lens),
+    )
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen)
+    return pool, meta, q
+
+
+@pytest.mark.parametrize(("kv_heads", "group"), [(1, 1), (2, 1), (3, 3), (1, 4), (2, 2)])
+@pytest.mark.parametrize("lens", [[1], [5, 1, 17], [64, 3, 40, 9, 33]])
+def test_decode_matches_torch_backend(kernel, kv_heads: int, group: int, lens: list[int]) -> None:
+    pool, meta, q = decode_case(kv_heads, group, lens)
+    native = CpuNativeAttentionBackend(kernel)
+    for layer in range(pool.num_layers):
+        want = TorchAttentionBackend()._decode(q, layer, meta, pool)
+        got = native._decode(q, layer, meta, pool)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_decode_of_non_contiguous_query(kernel) -> None:
+    pool, meta, q = decode_case(2, 2, [6, 9])
+    strided = torch.cat([q, q], dim=2)[:, :, : q.shape[2]]  # same values, not contiguous
+    assert not strided.is_contiguous()
+    got = CpuNativeAttentionBackend(kernel)._decode(strided, 0, meta, pool)
+    torch.testing.assert_close(got, TorchAttentionBackend()._decode(q, 0, meta, pool))
+
+
+def test_bad_inputs_raise_clear_errors(kernel) -> None:
+    pool, meta, q = decode_case(2, 1, [4, 6])
+    k, v = pool.k_buffers[0], pool.v_buffers[0]
+    args = (meta.req_table, meta.req_rows, meta.seq_lens, 0.25)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel.paged_decode(q.double(), k, v, *args)
+    with pytest.raises(RuntimeError, match="outside"):
+        kernel.paged_decode(q, k, v, meta.req_table, meta.req_rows, torch.tensor([4, 500]), 0.25)
+    table = meta.req_table.clone()
+    table[int(meta.req_rows[1]), 2] = 10_000  # a slot past the pool
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.paged_decode(q, k, v, table, meta.req_rows, meta.seq_lens, 0.25)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernel.paged_decode(q[:, :1].repeat(1, 3, 1), k, v, *args)  # 3 q heads, 2 KV heads
+
+
+def test_selection(kernel) -> None:
+    cpu = torch.device("cpu")
+    assert get_attention_backend("auto", cpu, torch.float32).name == "cpu_native"
+    assert get_attention_backend("cpu_native", cpu, torch.float32).name == "cpu_native"
+    assert get_attention_backend("torch", cpu, torch.float32).name == "torch"
+    # The kernel is float32-only: other dtypes and devices get the reference.
+    assert get_attention_backend("auto", cpu, torch.bfloat16).name == "torch"
+    assert get_attention_backend("auto", torch.device("meta"), torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="float32 on the CPU only"):
+        get_attention_backend("cpu_native", cpu, torch.float16)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_attention_backend("flash", cpu, torch.float32)
+
+
+def test_failed_build_falls_back_or_names_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_error", "RuntimeError: Ninja is required")
+    cpu = torch.device("cpu")
+    assert get_attention_backend("auto", cpu, torch.float32).name == "torch"
+    with pytest.raises(RuntimeError, match="could not be built: RuntimeError: Ninja"):
+        get_attention_backend("cpu_native", cpu, torch.float32)
+
+
+def test_build_failure_is_caught_and_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def broken_load(**kwargs: object) -> None:
+        raise RuntimeError("error: command 'c++' failed\nno compiler found")
+
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    assert cpu_kernels.paged_decode_kernel() is None
+    assert cpu_kernels.build_error() == "RuntimeError: no compiler found"
+    assert attention.get_attention_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_engine_reports_backend(tiny_llama_dir) -> None:
+    from engine import Engine, EngineConfig
+
+    for name in ("torch", "cpu_native"):
+        eng = Engine(
+            EngineConfig(
+                model=str(tiny_llama_dir), device="cpu", dtype="float32", attention_backend=name
+            )
+        )
+        assert eng.health()["attention_backend"] == name
