@@ -6,6 +6,11 @@ Prints output tokens/s for a batch of requests with varied prompt and output len
 (HF runs them as one left-padded batch to the longest output and is credited only with
 the tokens that were asked for), single-stream tokens/s for both, and the engine's own
 per-step overhead (everything in a step that is not the model forward).
+
+It also prints the matmul floor of the engine's batch run: the same sequence of forward
+shapes (tokens per step, logit rows per step) replayed through the model's linear layers
+alone. No engine that runs that schedule with this BLAS can be faster than the floor, so
+``output tokens / floor`` bounds the attainable tokens/s and ratio to HF.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.config import ATTENTION_BACKENDS
+from engine.layers.linear import FusedLinear
 
 
 def make_workload(
@@ -33,14 +40,61 @@ def make_workload(
     return prompts, out_lens
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> float:
+def run_engine(
+    engine: Engine,
+    prompts: list[list[int]],
+    out_lens: list[int],
+    shapes: list[tuple[int, int]] | None = None,
+) -> float:
+    """Output tokens/s; appends (tokens forwarded, logit rows) per step to ``shapes``."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
     engine.flush_cache()
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    model = engine.model
+    if shapes is not None:
+        model.forward = _recording(model.forward, shapes, 0)  # type: ignore[method-assign]
+        model.compute_logits = _recording(model.compute_logits, shapes, 1)  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    finally:
+        for name in ("forward", "compute_logits"):
+            model.__dict__.pop(name, None)
     assert [len(o.token_ids) for o in outs] == out_lens
     return sum(out_lens) / elapsed
+
+
+def _recording(fn: Any, shapes: list[tuple[int, int]], field: int) -> Any:
+    """Wrap forward (field 0: a new step, its token count) or compute_logits (field 1)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        rows = int(args[0].shape[0])
+        if field == 0:
+            shapes.append((rows, 0))
+        else:
+            shapes[-1] = (shapes[-1][0], rows)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def matmul_floor(model: Any, shapes: list[tuple[int, int]], repeats: int = 3) -> float:
+    """Seconds the model's linear layers alone take over the recorded step shapes (best
+    of ``repeats``): attention, norms, sampling and scheduling cost nothing here."""
+    linears = [
+        m for name, m in model.named_modules() if isinstance(m, FusedLinear) and name != "lm_head"
+    ]
+    hidden = int(model.config.hidden_size)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for tokens, logit_rows in shapes:
+            for linear in linears:
+                linear.forward(torch.zeros(tokens, linear.in_features))
+            if logit_rows:
+                model.compute_logits(torch.zeros(logit_rows, hidden))
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def run_hf(model: Any, prompts: list[list[int]], out_lens: list[int], pad_id: int) -> float:
@@ -117,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="only measure the engine")
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="engine attention"
+    )
     args = parser.parse_args(argv)
 
     torch.set_grad_enabled(False)
@@ -128,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_cache_tokens=32768,
             max_running_requests=64,
             enable_prefix_cache=False,
+            attention_backend=args.attention_backend,
         )
     )
     prompts, out_lens = make_workload(
@@ -135,13 +193,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
-        f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, fp32"
+        f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, fp32, "
+        f"{engine.attention_backend} attention"
     )
     run_engine(engine, prompts[:2], [4, 4])  # warm-up
-    engine_batch = run_engine(engine, prompts, out_lens)
+    shapes: list[tuple[int, int]] = []
+    engine_batch = run_engine(engine, prompts, out_lens, shapes)
     engine_single = run_engine(engine, prompts[:1], [args.single_tokens])
     step_s, overhead_s = step_overhead(engine, prompts)
+    floor_s = matmul_floor(engine.model, shapes)
+    bound = sum(out_lens) / floor_s
     print(f"engine  batch of {args.num_requests}: {engine_batch:8.1f} output tok/s")
+    print(
+        f"matmul floor of that run ({len(shapes)} forwards, linear layers only): "
+        f"{floor_s:.2f} s = {bound:.1f} output tok/s at most"
+    )
     print(f"engine  single stream:   {engine_single:8.1f} output tok/s")
     print(
         f"engine  decode step at {args.num_requests} running: {step_s * 1e3:.1f} ms, "
@@ -159,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"HF      batch of {args.num_requests}: {hf_batch:8.1f} output tok/s")
     print(f"HF      single stream:   {hf_single:8.1f} output tok/s")
     print(f"ratio   batch {engine_batch / hf_batch:.2f}x, single {engine_single / hf_single:.2f}x")
+    print(f"bound   batch ratio with zero non-matmul cost: {bound / hf_batch:.2f}x")
 
 
 if __name__ == "__main__":
