@@ -130,6 +130,17 @@ def rows_view(buffer: torch.Tensor, wide: bool = False) -> torch.Tensor:
 # ---------------------------------------------------------------- CPU: one pass, in place
 
 
+def _block_views(
+    host: HostKVPool, pool: DeviceKVPool, device_start: int, host_start: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device and host ``[2, L, length, H, D]`` views of consecutive slots on both sides:
+    one strided copy between them moves every layer."""
+    device = pool.kv_buffer[:, :, device_start : device_start + length]
+    if host.layout == "layer_first":
+        return device, host.kv_buffer[:, :, host_start : host_start + length]
+    return device, host.kv_buffer[:, host_start : host_start + length].transpose(1, 2)
+
+
 def backup_cpu(
     host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor
 ) -> None:
@@ -141,8 +152,13 @@ def backup_cpu(
     planes = 2 * host.num_layers
     for lo, hi in pieces(host_slots.numel(), CPU_PIECE_BYTES // host.bytes_per_token):
         d, h = device_slots[lo:hi], host_slots[lo:hi]
-        rows = device_rows(pool, d, layers, layer_major=layer_first)
         start, m = run_start(h), hi - lo
+        device_start = run_start(d) if start is not None else None
+        if start is not None and device_start is not None:  # consecutive on both sides
+            device_view, host_view = _block_views(host, pool, device_start, start, m)
+            host_view.copy_(device_view)
+            continue
+        rows = device_rows(pool, d, layers, layer_major=layer_first)
         if start is None:  # scattered host slots: gather, then scatter
             dst.index_copy_(
                 0, host_rows(host, h, layers).reshape(-1), src.index_select(0, rows.reshape(-1))
@@ -171,6 +187,12 @@ def load_cpu(
     contiguous_halves = not layer_first and len(layers) == host.num_layers
     for lo, hi in pieces(host_slots.numel(), CPU_PIECE_BYTES // host.bytes_per_token):
         d, h = device_slots[lo:hi], host_slots[lo:hi]
+        if len(layers) == host.num_layers:
+            start, device_start = run_start(h), run_start(d)
+            if start is not None and device_start is not None:  # consecutive on both sides
+                device_view, host_view = _block_views(host, pool, device_start, start, hi - lo)
+                device_view.copy_(host_view)
+                continue
         rows = device_rows(pool, d, layers, layer_major=layer_first)
         start = run_start(h) if contiguous_halves else None
         if start is None:  # gather the host rows (memcpy-fast), one scatter
