@@ -72,6 +72,11 @@ def run_start(slots: torch.Tensor) -> int | None:
     return None
 
 
+def piece_tokens(host: HostKVPool) -> int:
+    """Tokens per CPU piece: about CPU_PIECE_BYTES, at least one token."""
+    return max(1, CPU_PIECE_BYTES // host.bytes_per_token)
+
+
 def pieces(num_tokens: int, tokens_per_piece: int) -> list[tuple[int, int]]:
     step = max(1, tokens_per_piece)
     return [(s, min(s + step, num_tokens)) for s in range(0, num_tokens, step)]
@@ -141,16 +146,28 @@ def _block_views(
     return device, host.kv_buffer[:, host_start : host_start + length].transpose(1, 2)
 
 
+def _gather(src: torch.Tensor, rows: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``src[rows]`` into the front of a reused scratch buffer: a fresh temporary of a few
+    MiB per piece costs page faults that are slower than the copy itself."""
+    out = scratch.view(src.dtype)[: rows.numel() * src.shape[1]].view(-1, src.shape[1])
+    return torch.index_select(src, 0, rows, out=out)
+
+
 def backup_cpu(
-    host: HostKVPool, pool: DeviceKVPool, device_slots: torch.Tensor, host_slots: torch.Tensor
+    host: HostKVPool,
+    pool: DeviceKVPool,
+    device_slots: torch.Tensor,
+    host_slots: torch.Tensor,
+    scratch: torch.Tensor,
 ) -> None:
-    """All layers of ``device_slots`` into ``host_slots`` (both on the CPU)."""
+    """All layers of ``device_slots`` into ``host_slots`` (both on the CPU); ``scratch``:
+    a byte buffer of at least one piece (``piece_tokens`` tokens of all layers)."""
     layers = list(range(host.num_layers))
     layer_first = host.layout == "layer_first"
     src = rows_view(pool.kv_buffer)
     dst = rows_view(host.kv_buffer)
     planes = 2 * host.num_layers
-    for lo, hi in pieces(host_slots.numel(), CPU_PIECE_BYTES // host.bytes_per_token):
+    for lo, hi in pieces(host_slots.numel(), piece_tokens(host)):
         d, h = device_slots[lo:hi], host_slots[lo:hi]
         start, m = run_start(h), hi - lo
         device_start = run_start(d) if start is not None else None
@@ -161,10 +178,10 @@ def backup_cpu(
         rows = device_rows(pool, d, layers, layer_major=layer_first)
         if start is None:  # scattered host slots: gather, then scatter
             dst.index_copy_(
-                0, host_rows(host, h, layers).reshape(-1), src.index_select(0, rows.reshape(-1))
+                0, host_rows(host, h, layers).reshape(-1), _gather(src, rows.reshape(-1), scratch)
             )
         elif layer_first:  # one block per layer plane
-            gathered = src.index_select(0, rows.reshape(-1)).view(planes, m, -1)
+            gathered = _gather(src, rows.reshape(-1), scratch).view(planes, m, -1)
             dst.view(planes, host.capacity, -1)[:, start : start + m].copy_(gathered)
         else:  # each K/V half is one contiguous block: gather straight into it
             per_kv = m * host.num_layers
@@ -179,13 +196,14 @@ def load_cpu(
     host_slots: torch.Tensor,
     device_slots: torch.Tensor,
     layers: list[int],
+    scratch: torch.Tensor,
 ) -> None:
     """``layers`` of ``host_slots`` into ``device_slots`` (both on the CPU)."""
     layer_first = host.layout == "layer_first"
     dst = rows_view(pool.kv_buffer, wide=True)
     src = rows_view(host.kv_buffer, wide=True)
     contiguous_halves = not layer_first and len(layers) == host.num_layers
-    for lo, hi in pieces(host_slots.numel(), CPU_PIECE_BYTES // host.bytes_per_token):
+    for lo, hi in pieces(host_slots.numel(), piece_tokens(host)):
         d, h = device_slots[lo:hi], host_slots[lo:hi]
         if len(layers) == host.num_layers:
             start, device_start = run_start(h), run_start(d)
@@ -196,7 +214,7 @@ def load_cpu(
         rows = device_rows(pool, d, layers, layer_major=layer_first)
         start = run_start(h) if contiguous_halves else None
         if start is None:  # gather the host rows (memcpy-fast), one scatter
-            values = src.index_select(0, host_rows(host, h, layers).reshape(-1))
+            values = _gather(src, host_rows(host, h, layers).reshape(-1), scratch)
             dst.index_copy_(0, rows.reshape(-1), values)
             continue
         per_kv = (hi - lo) * host.num_layers

@@ -64,6 +64,7 @@ class HostKVPool:
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         # Tests set this to run the accelerator copy path (staging buffers) on CPU tensors.
         self._force_staged = False
+        self._scratch: torch.Tensor | None = None  # reused by CPU copies; see _cpu_scratch
 
     # ------------------------------------------------------------ accounting
 
@@ -139,6 +140,13 @@ class HostKVPool:
             )
         return host_slots.reshape(-1).to("cpu", torch.int64)
 
+    def _cpu_scratch(self) -> torch.Tensor:
+        """Bytes for one CPU copy piece, allocated on first use and then reused."""
+        nbytes = host_copy.piece_tokens(self) * self.bytes_per_token
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch
+
     def _staged(self, device_pool: DeviceKVPool) -> bool:
         return device_pool.device.type != "cpu" or self._force_staged
 
@@ -160,7 +168,7 @@ class HostKVPool:
             return
         device_slots = device_slots.reshape(-1).to(torch.int64)
         if not self._staged(device_pool):
-            host_copy.backup_cpu(self, device_pool, device_slots, host_slots)
+            host_copy.backup_cpu(self, device_pool, device_slots, host_slots, self._cpu_scratch())
             return
         device_slots = device_slots.to(device_pool.device, non_blocking=True)
         for start, end in self._chunks(host_slots.numel(), self.bytes_per_token):
@@ -207,7 +215,9 @@ class HostKVPool:
         n = host_slots.numel()
         if n == 0 or not self._staged(device_pool):
             if n:
-                host_copy.load_cpu(self, device_pool, host_slots, device_slots, layers)
+                host_copy.load_cpu(
+                    self, device_pool, host_slots, device_slots, layers, self._cpu_scratch()
+                )
             for layer in layers:
                 notify(layer)
             return
@@ -233,4 +243,5 @@ class HostKVPool:
     def close(self) -> None:
         """Release the host buffer (unregisters host-registered memory); idempotent."""
         self.allocation.release()
+        self._scratch = None
         self.kv_buffer = torch.empty(0, dtype=self.dtype)
