@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+# A build lock older than this was left by an interrupted build (torch would wait on it
+# forever); a real build takes well under a minute.
+STALE_LOCK_SECONDS = 600.0
 _lock = threading.Lock()
 _module: Any | None = None
 _error: str | None = None
@@ -34,6 +38,22 @@ def _cflags() -> list[str]:
     return flags
 
 
+def clear_stale_build_lock(name: str) -> bool:
+    """Remove the build lock of extension ``name`` if a killed build left it behind."""
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    logger.warning("removing %s, left %.0f s ago by an interrupted kernel build", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def paged_decode_kernel() -> Any | None:
     """The compiled module (``paged_decode(q, k_cache, v_cache, table, rows, lens, scale)``),
     or None when it cannot be built here."""
@@ -44,12 +64,14 @@ def paged_decode_kernel() -> Any | None:
         flags = _cflags()
         # The name carries the source and flags: a changed kernel is never served stale.
         digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
+        name = f"hiserve_paged_decode_{digest[:12]}"
         try:
             from torch.utils import cpp_extension
 
             logger.info("loading the native CPU attention kernel (built once on first use)")
+            clear_stale_build_lock(name)
             _module = cpp_extension.load(
-                name=f"hiserve_paged_decode_{digest[:12]}",
+                name=name,
                 sources=[str(_SOURCE)],
                 extra_cflags=flags,
                 verbose=False,

@@ -135,3 +135,18 @@ def test_engine_reports_backend(tiny_llama_dir) -> None:
             )
         )
         assert eng.health()["attention_backend"] == name
+
+
+def test_stale_build_lock_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build killed midway leaves a lock torch would wait on forever."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert not cpu_kernels.clear_stale_build_lock("k")  # no lock at all
+    lock = tmp_path / "k" / "lock"
+    lock.write_text("")
+    assert not cpu_kernels.clear_stale_build_lock("k") and lock.exists()  # a live build
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    assert cpu_kernels.clear_stale_build_lock("k") and not lock.exists()
