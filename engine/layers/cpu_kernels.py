@@ -79,7 +79,11 @@ def paged_decode_kernel() -> Any | None:
         except Exception as exc:  # no compiler, no ninja, a failed build: keep PyTorch
             lines = str(exc).strip().splitlines()
             _error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
-            logger.warning("native CPU attention kernel unavailable (%s); using PyTorch", _error)
+            logger.warning(
+                "native CPU attention kernel unavailable (%s); decode attention runs in "
+                "PyTorch. It needs a C++ compiler and ninja (pip install 'hiserve[cpu]').",
+                _error,
+            )
         return _module
 
 
