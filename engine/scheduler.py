@@ -13,6 +13,9 @@ from engine.kvcache.allocator import OutOfSlotsError
 from engine.kvcache.manager import KVCacheManager
 from engine.request import Req, ReqStatus
 
+# Longest-prefix-match ordering is skipped (fcfs used) above this many waiting requests.
+LPM_MAX_WAITING = 128
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-waiting-requests; the caller should retry later."""
@@ -94,7 +97,9 @@ class Scheduler:
         return total
 
     def _ordered_waiting(self) -> list[Req]:
-        if self.config.schedule_policy == "lpm" and len(self.waiting) > 1:
+        # lpm matches every waiting prompt against the tree each step: past
+        # LPM_MAX_WAITING requests that costs more than it gains, so order them fcfs.
+        if self.config.schedule_policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_WAITING:
             return sorted(self.waiting, key=lambda r: -self.kv.peek_prefix_len(r))
         return list(self.waiting)
 

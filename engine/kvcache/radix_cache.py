@@ -103,6 +103,8 @@ class RadixCache:
 
     def _common_len(self, a: list[int], b: list[int], b_start: int) -> int:
         n = min(len(a), len(b) - b_start)
+        if a[:n] == b[b_start : b_start + n]:  # the usual case, compared at C speed
+            return n - n % self.page_size
         i = 0
         while i < n and a[i] == b[b_start + i]:
             i += 1

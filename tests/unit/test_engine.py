@@ -236,3 +236,25 @@ def test_request_larger_than_the_reserve_still_runs(tiny_llama_dir):
     assert final is not None and final.finish_reason == "length"
     assert 0 < len(final.token_ids) <= 64 - 40 + 1
     assert eng.stats()["kv_used"] == 0
+
+
+@pytest.mark.parametrize("limit", [8, 1])
+def test_lpm_admits_longest_cached_prefix_first_unless_queue_is_long(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    from engine import scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MAX_WAITING", limit)
+    eng = engine_for(tiny_llama_dir, schedule_policy="lpm", max_running_requests=1)
+    cached = make_prompts(1, seed=5, lo=30, hi=31)[0]
+    eng.generate([cached], SamplingParams(max_tokens=1, temperature=0))  # now in the tree
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    first = eng.add_request([7, 8, 9, 10], params)
+    hit = eng.add_request([*cached, 11], params)
+    eng.step()  # admits one request (max_running_requests=1)
+    admitted = [r.request_id for r in eng.scheduler.running]
+    # lpm picks the prompt with a 30-token cached prefix; with the queue over the lpm
+    # limit (2 waiting > 1) the order is fcfs.
+    assert admitted == ([hit] if limit == 8 else [first])
+    while eng.has_work:
+        eng.step()
