@@ -29,7 +29,10 @@ _error: str | None = None
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-fopenmp-simd"]
+    # -fopenmp: at::parallel_for is a header template that runs its OpenMP loop in this
+    # module's own code; without the flag it silently runs on one thread. The loader
+    # resolves libgomp.so.1 to the copy torch has already loaded, so there is one runtime.
+    flags = ["-O3", "-fopenmp"]
     # Vector width from what torch itself detected on this CPU (never -march=native: a
     # build cache shared with another machine must still run there).
     capability = torch.backends.cpu.get_cpu_capability()
@@ -74,6 +77,7 @@ def paged_decode_kernel() -> Any | None:
                 name=name,
                 sources=[str(_SOURCE)],
                 extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a failed build: keep PyTorch
