@@ -150,3 +150,14 @@ def test_stale_build_lock_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch) 
     old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 5
     os.utime(lock, (old, old))
     assert cpu_kernels.clear_stale_build_lock("k") and not lock.exists()
+
+
+def test_kernel_runs_on_every_intra_op_thread(kernel) -> None:
+    """A build without OpenMP compiles at::parallel_for into a serial loop (the kernel
+    was once 2x slower than it should be for exactly that reason)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert kernel.parallel_threads(64) == 2
+    finally:
+        torch.set_num_threads(previous)

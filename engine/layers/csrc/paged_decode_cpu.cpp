@@ -125,6 +125,18 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
+// How many intra-op threads took part in a parallel_for over ``items`` work items: a
+// build without OpenMP would silently run every kernel on one thread.
+int64_t parallel_threads(int64_t items) {
+  std::vector<int> seen(static_cast<size_t>(std::max(1, at::get_num_threads())), 0);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const auto id = static_cast<size_t>(at::get_thread_num());
+    if (id < seen.size() && begin < end) seen[id] = 1;
+  });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Decode attention over a paged KV pool (CPU, float32)");
+  m.def("parallel_threads", &parallel_threads, "Threads used by a parallel_for (a self-check)");
 }
