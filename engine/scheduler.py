@@ -159,8 +159,8 @@ class Scheduler:
                 break
             if self.kv.req_table.free_rows == 0:
                 break
-            prefix = self.kv.peek_prefix_len(req)
-            pending = req.seq_len - prefix
+            match = self.kv.match(req)
+            pending = req.seq_len - match.device_len
             n = min(pending, chunk_cap, budget)
             # KV for this chunk, plus a reserve for the rest of the prompt and its output.
             future = (pending - n) + int(
@@ -175,7 +175,7 @@ class Scheduler:
                 if not (alone and chunk_cost <= self.kv.available_tokens()):
                     break
             self.waiting.remove(req)
-            self.kv.admit(req)
+            self.kv.admit(req, match)  # nothing touched the tree since the match
             n = min(req.seq_len - req.kv_len, chunk_cap, budget)
             try:
                 take(req, n)

@@ -108,15 +108,17 @@ class HiRadixCache(RadixCache):
 
     def match_prefix(self, key: list[int], touch: bool = True) -> MatchResult:
         self.poll()
-        match = super().match_prefix(key, touch)
-        if touch and self.write_policy == "write_through_selective":
+        return super().match_prefix(key, touch)
+
+    def touch(self, match: MatchResult) -> None:
+        super().touch(match)
+        if self.write_policy == "write_through_selective":  # back up what is hit twice
             node = match.device_node
             while node is not self.root:
                 if node.hit_count >= 2 and node.host_value is None:
                     self._backup(node)
                 assert node.parent is not None
                 node = node.parent
-        return match
 
     # ------------------------------------------------------------------ eviction
     def _before_device_evict(self, node: TreeNode) -> None:

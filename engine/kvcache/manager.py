@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
-from engine.kvcache.radix_cache import RadixCache
+from engine.kvcache.radix_cache import MatchResult, RadixCache
 from engine.kvcache.req_table import ReqTable
 from engine.request import Req
 
@@ -43,11 +43,15 @@ class KVCacheManager:
         return self.allocator.pages_for(extra) * self.page_size
 
     # ------------------------------------------------------------------ admission
-    def admit(self, req: Req) -> None:
-        """Give ``req`` a table row and lock its longest cached prefix."""
+    def admit(self, req: Req, match: MatchResult | None = None) -> None:
+        """Give ``req`` a table row and lock its longest cached prefix. ``match``: the
+        result of ``match(req)`` just before, if the caller has it (nothing may change
+        the tree in between); it is then not matched a second time."""
         req.row = self.req_table.alloc_row()
-        # The last token must be computed to get logits, so never match all of it.
-        match = self.tree.match_prefix(req.all_ids[: req.seq_len - 1])
+        if match is None:
+            match = self.tree.match_prefix(self._match_key(req))
+        else:
+            self.tree.touch(match)
         # Lock before any load-back: its allocation may evict, never our own prefix.
         self.tree.lock(match.device_node)
         device_hit = match.device_len
@@ -65,9 +69,18 @@ class KVCacheManager:
             req.cached_host = match.device_len - device_hit
             req.reported_cache = True
 
+    @staticmethod
+    def _match_key(req: Req) -> list[int]:
+        # The last token must be computed to get logits, so never match all of it.
+        return req.all_ids[: req.seq_len - 1]
+
+    def match(self, req: Req) -> MatchResult:
+        """``req``'s longest cached prefix, without locking or touching anything."""
+        return self.tree.match_prefix(self._match_key(req), touch=False)
+
     def peek_prefix_len(self, req: Req) -> int:
-        """Cached prefix length without locking (for the lpm policy)."""
-        return self.tree.match_prefix(req.all_ids[: req.seq_len - 1], touch=False).device_len
+        """Device-cached prefix length without locking (for the lpm policy)."""
+        return self.match(req).device_len
 
     # ------------------------------------------------------------------ growth
     def alloc(self, req: Req, num_tokens: int) -> torch.Tensor:

@@ -115,7 +115,6 @@ class RadixCache:
         """Longest page-aligned cached prefix of ``key``; splits a node matched partway."""
         if not self.enabled:
             return MatchResult(_EMPTY, self.root, 0, self.root)
-        now = time.monotonic()
         node = self.root
         device_parts: list[torch.Tensor] = []
         device_node = self.root
@@ -130,9 +129,6 @@ class RadixCache:
                 break
             if matched < len(child.key):
                 child = self._split(child, matched)
-            if touch:
-                child.last_access = now
-                child.hit_count += 1
             if child.on_device:
                 assert child.value is not None
                 device_parts.append(child.value)
@@ -142,7 +138,21 @@ class RadixCache:
             node = child
             pos += matched
         device_slots = torch.cat(device_parts) if device_parts else _EMPTY
-        return MatchResult(device_slots, device_node, host_len, node)
+        match = MatchResult(device_slots, device_node, host_len, node)
+        if touch:
+            self.touch(match)
+        return match
+
+    def touch(self, match: MatchResult) -> None:
+        """Record a use of every node of ``match`` (LRU time and hit count): what
+        ``match_prefix(touch=True)`` does, for a match taken earlier with touch=False."""
+        now = time.monotonic()
+        node = match.host_node
+        while node is not self.root:
+            node.last_access = now
+            node.hit_count += 1
+            assert node.parent is not None
+            node = node.parent
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut ``child`` after ``at`` tokens; return the new upper node."""

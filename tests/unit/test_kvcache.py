@@ -92,6 +92,36 @@ def test_prefix_reuse_and_release():
     assert manager.tree.protected_tokens == 0
 
 
+@pytest.mark.parametrize("reuse_match", [False, True], ids=["rematch", "reuse"])
+def test_admit_with_an_earlier_match_is_the_same_admission(reuse_match: bool) -> None:
+    """The scheduler hands admit() the match it sized the admission with; that must lock,
+    hit and touch exactly what a fresh match inside admit() would."""
+    manager = make_manager(64, 1)
+    a = Req("a", list(range(10, 30)), SamplingParams())
+    manager.admit(a)
+    manager.alloc(a, a.seq_len)
+    a.output_ids.append(99)
+    manager.release(a)
+    b = Req("b", [*range(10, 22), 5, 6], SamplingParams())  # splits a's node after 12
+    match = manager.match(b)
+    assert match.device_len == 12
+    hits_before = {id(n): n.hit_count for n in manager.tree.nodes()}
+    manager.admit(b, match if reuse_match else None)
+    assert b.prefix_len == b.kv_len == 12 and b.cached_device == 12
+    assert b.last_node is match.device_node and b.last_node.lock_ref == 1
+    path = []
+    node = b.last_node
+    while node is not manager.tree.root:
+        path.append(node)
+        node = node.parent
+    assert all(n.hit_count == hits_before[id(n)] + 1 for n in path)  # touched once
+    check_exact_partition(manager, [b])
+    check_tree_shape(manager.tree)
+    manager.alloc(b, b.seq_len - b.kv_len)
+    manager.release(b)
+    check_exact_partition(manager, [])
+
+
 def test_full_prompt_hit_still_computes_last_token():
     manager = make_manager(64, 1)
     a = Req("a", [1, 2, 3, 4], SamplingParams())
