@@ -324,7 +324,10 @@ def test_interrupt_writes_partial_results(fake: tuple[str, FakeState], tmp_path:
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 30
-    while not any(e["end"] for e in list(state.log)) and time.monotonic() < deadline:
+    # The second request starts only once the client has finished the first (concurrency
+    # 1). Waiting for the server to end the first is not enough: the client may not have
+    # read its last chunk yet when the interrupt lands, and then nothing has completed.
+    while len(state.log) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _stdout, stderr = proc.communicate(timeout=30)
