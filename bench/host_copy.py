@@ -19,9 +19,10 @@ from functools import partial
 
 import torch
 
+from engine.dtypes import parse_dtype
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
-from engine.platform import DeviceSpec, parse_dtype, resolve_device, synchronize, to_torch_device
+from engine.platform import DeviceSpec, resolve_device, synchronize, to_torch_device
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine import loader, platform
+from engine import dtypes, loader, platform
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_setup import KVSetup, build_kv
@@ -35,7 +35,7 @@ class Engine:
         self.config = config
         self.device_spec = platform.resolve_device(config.device)
         self.device = platform.to_torch_device(self.device_spec)
-        self.dtype = platform.parse_dtype(config.dtype, self.device_spec)
+        self.dtype = dtypes.parse_dtype(config.dtype, self.device_spec)
         torch.manual_seed(config.seed)
 
         self.model_path: Path = loader.resolve_model_path(config.model, config.cache_dir)

@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from engine import platform
+from engine.dtypes import default_dtype, parse_dtype
 from engine.platform import (
     DeviceSpec,
     alloc_host,
-    default_dtype,
     host_alloc_method,
     is_backend_available,
     parse_device,
-    parse_dtype,
     resolve_device,
 )
 
@@ -378,7 +377,7 @@ def test_real_cuda_pinned_allocation(requested: str) -> None:
     allocation.release()
 
 
-# ---------------------------------------------------------------- dtypes
+# ---------------------------------------------------------------- dtypes (engine/dtypes.py)
 
 
 @pytest.mark.parametrize(
