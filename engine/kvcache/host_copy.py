@@ -146,6 +146,13 @@ def _block_views(
     return device, host.kv_buffer[:, host_start : host_start + length].transpose(1, 2)
 
 
+def _half_block(host: HostKVPool, kv: int, start: int, length: int) -> slice:
+    """page_first: the host rows of K (kv=0) or V of consecutive slots ``start ..
+    start+length-1``, every layer: one contiguous block of ``length * L`` rows."""
+    first = (kv * host.capacity + start) * host.num_layers
+    return slice(first, first + length * host.num_layers)
+
+
 def _gather(src: torch.Tensor, rows: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """``src[rows]`` into the front of a reused scratch buffer: a fresh temporary of a few
     MiB per piece costs page faults that are slower than the copy itself."""
@@ -184,10 +191,9 @@ def backup_cpu(
             gathered = _gather(src, rows.reshape(-1), scratch).view(planes, m, -1)
             dst.view(planes, host.capacity, -1)[:, start : start + m].copy_(gathered)
         else:  # each K/V half is one contiguous block: gather straight into it
-            per_kv = m * host.num_layers
             for kv in range(2):
-                first = (kv * host.capacity + start) * host.num_layers
-                torch.index_select(src, 0, rows[kv].reshape(-1), out=dst[first : first + per_kv])
+                block = dst[_half_block(host, kv, start, m)]
+                torch.index_select(src, 0, rows[kv].reshape(-1), out=block)
 
 
 def load_cpu(
@@ -202,25 +208,22 @@ def load_cpu(
     layer_first = host.layout == "layer_first"
     dst = rows_view(pool.kv_buffer, wide=True)
     src = rows_view(host.kv_buffer, wide=True)
-    contiguous_halves = not layer_first and len(layers) == host.num_layers
+    all_layers = len(layers) == host.num_layers
     for lo, hi in pieces(host_slots.numel(), piece_tokens(host)):
         d, h = device_slots[lo:hi], host_slots[lo:hi]
-        if len(layers) == host.num_layers:
-            start, device_start = run_start(h), run_start(d)
-            if start is not None and device_start is not None:  # consecutive on both sides
-                device_view, host_view = _block_views(host, pool, device_start, start, hi - lo)
-                device_view.copy_(host_view)
-                continue
+        start = run_start(h) if all_layers else None
+        device_start = run_start(d) if start is not None else None
+        if start is not None and device_start is not None:  # consecutive on both sides
+            device_view, host_view = _block_views(host, pool, device_start, start, hi - lo)
+            device_view.copy_(host_view)
+            continue
         rows = device_rows(pool, d, layers, layer_major=layer_first)
-        start = run_start(h) if contiguous_halves else None
-        if start is None:  # gather the host rows (memcpy-fast), one scatter
+        if start is None or layer_first:  # gather the host rows (memcpy-fast), one scatter
             values = _gather(src, host_rows(host, h, layers).reshape(-1), scratch)
             dst.index_copy_(0, rows.reshape(-1), values)
             continue
-        per_kv = (hi - lo) * host.num_layers
         for kv in range(2):  # each K/V half of the run is one contiguous block
-            first = (kv * host.capacity + start) * host.num_layers
-            dst.index_copy_(0, rows[kv].reshape(-1), src[first : first + per_kv])
+            dst.index_copy_(0, rows[kv].reshape(-1), src[_half_block(host, kv, start, hi - lo)])
 
 
 # ---------------------------------------------------------------- accelerators: staged
@@ -289,7 +292,6 @@ def load_staged(
     else:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        per_token = 1 if layer_first else host.num_layers
         for run in runs:
             part = slice(run.offset, run.offset + run.length)
             for kv in range(2):
@@ -299,8 +301,7 @@ def load_staged(
                         dsts.append(stage[kv, i, part])
                         srcs.append(src[first : first + run.length])
                 else:  # [2, n, L, H*D]: the run's K (or V) rows are one block
-                    first = (kv * host.capacity + run.host_start) * per_token
                     dsts.append(stage[kv, part].flatten(0, 1))
-                    srcs.append(src[first : first + run.length * per_token])
+                    srcs.append(src[_half_block(host, kv, run.host_start, run.length)])
         copy_all(dsts, srcs, non_blocking)
     dst.index_copy_(0, rows.reshape(-1), stage.view(-1, src.shape[1]))
