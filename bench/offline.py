@@ -16,8 +16,11 @@ alone. No engine that runs that schedule with this BLAS can be faster than the f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,19 +52,27 @@ def run_engine(
     """Output tokens/s; appends (tokens forwarded, logit rows) per step to ``shapes``."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
     engine.flush_cache()
-    model = engine.model
-    if shapes is not None:
-        model.forward = _recording(model.forward, shapes, 0)  # type: ignore[method-assign]
-        model.compute_logits = _recording(model.compute_logits, shapes, 1)  # type: ignore[method-assign]
-    try:
+    with contextlib.ExitStack() as stack:
+        if shapes is not None:
+            for field, name in enumerate(("forward", "compute_logits")):
+                wrap = partial(_recording, shapes=shapes, field=field)
+                stack.enter_context(_patched(engine.model, name, wrap))
         start = time.perf_counter()
         outs = engine.generate(prompts, params)
         elapsed = time.perf_counter() - start
-    finally:
-        for name in ("forward", "compute_logits"):
-            model.__dict__.pop(name, None)
     assert [len(o.token_ids) for o in outs] == out_lens
     return sum(out_lens) / elapsed
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """Within the block, ``obj.name`` is ``wrap(original)`` (an instance attribute, removed
+    afterwards so the class's method is back)."""
+    setattr(obj, name, wrap(getattr(obj, name)))
+    try:
+        yield
+    finally:
+        obj.__dict__.pop(name, None)
 
 
 def _recording(fn: Any, shapes: list[tuple[int, int]], field: int) -> Any:
@@ -128,21 +139,22 @@ def step_overhead(engine: Engine, prompts: list[list[int]], steps: int = 40) -> 
     ):
         engine.step()
     forward_time = 0.0
-    original = engine.model.forward
 
-    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal forward_time
-        t = time.perf_counter()
-        result = original(*args, **kwargs)
-        forward_time += time.perf_counter() - t
-        return result
+    def timing(original: Any) -> Any:
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            nonlocal forward_time
+            t = time.perf_counter()
+            result = original(*args, **kwargs)
+            forward_time += time.perf_counter() - t
+            return result
 
-    engine.model.forward = timed_forward  # type: ignore[method-assign]
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    total = time.perf_counter() - start
-    engine.model.forward = original  # type: ignore[method-assign]
+        return timed_forward
+
+    with _patched(engine.model, "forward", timing):
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - start
     while engine.has_work:
         engine.step()
     return total / steps, (total - forward_time) / steps
