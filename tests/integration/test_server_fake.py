@@ -4,13 +4,11 @@ disconnect aborts, auth and body limits. Clients are the official ``openai`` and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,152 +16,12 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.config import EngineConfig
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from server.app import create_app
 from server.args import ServerArgs
+from tests.integration.fake_engine import FakeEngine
 
 KEY = "fake-key"
-
-
-class ByteTokenizer:
-    """Token id = byte + 3 (0 pad, 1 bos, 2 eos); a trivial chat template."""
-
-    chat_template = "fake"
-    eos_token_id = 2
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [b + 3 for b in text.encode("utf-8")]
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, str]],
-        tokenize: bool = False,
-        add_generation_prompt: bool = True,
-        **_: Any,
-    ) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
-class FakeEngine:
-    """AsyncEngine's interface; emits 'a', 'b', 'c', ... one token per ``step_delay``."""
-
-    def __init__(self, config: EngineConfig, step_delay: float = 0.002) -> None:
-        self.config = config
-        self.tokenizer = ByteTokenizer()
-        self.model_path = Path("fake-model")
-        self.max_model_len = 256
-        self.vocab_size = 259
-        self.served_model_name = "fake-model"
-        self.step_delay = step_delay
-        self.alive = False
-        self.overloaded = False
-        self.running: dict[str, int] = {}
-        self.aborted: list[str] = []
-        self.calls: list[tuple[str, SamplingParams]] = []
-        self.seen: set[tuple[int, ...]] = set()
-        self.shutdown_called = False
-
-    def start(self) -> None:
-        self.alive = True
-
-    def is_alive(self) -> bool:
-        return self.alive
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}"
-            )
-        params.validate(self.vocab_size)
-
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        self.validate(prompt_ids, params)
-        if not self.alive:
-            raise EngineDeadError("loop stopped")
-        if self.overloaded:
-            raise EngineOverloadedError("server overloaded: 9 requests waiting; retry later")
-        self.calls.append((request_id, params))
-        cached = len(prompt_ids) - 1 if tuple(prompt_ids) in self.seen else 0
-        self.seen.add(tuple(prompt_ids))
-        self.running[request_id] = len(prompt_ids)
-        done = False
-        ids: list[int] = []
-        lps: list[TokenLogprob] = []
-        text = ""
-        try:
-            for i in range(params.max_tokens):
-                await asyncio.sleep(self.step_delay)
-                token = 3 + ord("a") + i % 26
-                ids.append(token)
-                new = chr(ord("a") + i % 26)
-                text += new
-                self.running[request_id] += 1
-                lp = TokenLogprob(token, -0.25, {token: -0.25, token + 1: -2.0})
-                lps.append(lp)
-                reason = "length" if i == params.max_tokens - 1 else None
-                for stop in params.stop:
-                    if text.endswith(stop):
-                        text, new, reason = text[: -len(stop)], "", "stop"
-                done = reason is not None
-                want = params.logprobs is not None
-                yield RequestOutput(
-                    request_id=request_id,
-                    prompt_token_ids=prompt_ids,
-                    token_ids=list(ids),
-                    text=text,
-                    new_token_ids=[token],
-                    new_text=new,
-                    finished=done,
-                    finish_reason=reason,
-                    cached_tokens=cached,
-                    cached_tokens_device=cached,
-                    cached_tokens_host=0,
-                    logprobs=list(lps) if want else None,
-                    new_logprobs=[lp] if want else None,
-                )
-                if done:
-                    return
-        finally:
-            self.running.pop(request_id, None)
-            if not done:
-                self.aborted.append(request_id)
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "kv_total": 4096,
-            "kv_used": sum(self.running.values()),
-            "running": len(self.running),
-            "waiting": 0,
-            "prompt_tokens_total": 10,
-            "cached_tokens_device_total": 4,
-        }
-
-    def health(self) -> dict[str, Any]:
-        return {
-            "device": "cpu",
-            "dtype": "float32",
-            "kv_total_tokens": 4096,
-            "hicache": False,
-            "host_alloc_method": None,
-            "pinned": False,
-        }
-
-    async def flush_cache(self) -> bool:
-        return not self.running
-
-    async def shutdown(self, grace_s: float) -> None:
-        self.shutdown_called = True
-        self.alive = False
 
 
 Fake = tuple[FakeEngine, Any]
