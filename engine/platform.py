@@ -1,4 +1,4 @@
-"""Device abstraction: device strings, backend modules, host allocation, streams and events.
+"""Device abstraction: device strings, backend modules, streams and events.
 
 Every device-specific call in the engine goes through here, dispatched by the bare
 device type ("musa" for "musa:0"), so that MUSA, NPU and XPU never see a CUDA-only call.
@@ -9,8 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -25,19 +24,6 @@ AUTO_ORDER = ("cuda", "musa", "npu", "xpu", "mps")
 VALID_DEVICE_FORMS = "auto, cpu, cuda[:N], hip[:N], musa[:N], npu[:N], xpu[:N], mps (any case)"
 # Out-of-tree backends: torch.<type> exists only once their package is imported.
 _BACKEND_PACKAGES = {"musa": "torch_musa", "npu": "torch_npu"}
-
-HOST_ALLOC_METHODS = ("pin_memory", "host_register", "pageable")
-# NOTE: keyed by the bare device type, never the raw string: "musa:0" and "MUSA:1" both
-# use the "musa" entry. Types missing here get pageable memory and a warning.
-_HOST_ALLOC_BY_TYPE = {
-    "cuda": "pin_memory",
-    "hip": "pin_memory",  # host-register maps a different device address on ROCm
-    "musa": "pin_memory",
-    "npu": "pin_memory",
-    "xpu": "pin_memory",
-    "mps": "pageable",
-    "cpu": "pageable",
-}
 
 _warned: set[str] = set()
 _import_failed: set[str] = set()
@@ -192,129 +178,20 @@ def to_torch_device(spec: DeviceSpec) -> torch.device:
     return torch.device(kind) if spec.index is None else torch.device(kind, spec.index)
 
 
-# ---------------------------------------------------------------- host allocation
-
-
-def host_alloc_method(device: str | torch.device | DeviceSpec, requested: str = "auto") -> str:
-    """How the host tier is allocated for ``device``: pin_memory, host_register or pageable.
-
-    An explicit ``host_register`` on anything but CUDA raises ValueError rather than
-    silently changing what the operator asked for.
-    """
-    if requested not in ("auto", *HOST_ALLOC_METHODS):
-        raise ValueError(
-            f"host allocation {requested!r} is not valid; choose auto, "
-            + ", ".join(HOST_ALLOC_METHODS)
-        )
-    kind = _bare_type(device)
-    if requested == "pageable":
-        return "pageable"
-    if requested == "host_register" and (kind != "cuda" or is_rocm()):
-        backend = "ROCm" if kind in ("cuda", "hip") else kind
-        raise ValueError(
-            f"--hicache-host-alloc host_register calls cudaHostRegister, which only exists "
-            f"on CUDA, but the device is {str(device)!r} ({backend}); use "
-            "--hicache-host-alloc auto (pinned through pin_memory) or pageable"
-        )
-    default = _HOST_ALLOC_BY_TYPE.get(kind)
-    if default is None:
-        _warn_once(
-            f"unknown:{kind}",
-            f"unknown device type {kind!r}: the host KV tier uses "
-            "pageable memory (no pinning, slower host<->device copies)",
-        )
-        return "pageable"
-    if default == "pageable":
-        if requested != "auto":
-            _warn_once(
-                f"nopin:{kind}",
-                f"pinned host memory is not supported on {kind}; "
-                "the host KV tier uses pageable memory",
-            )
-        return "pageable"
-    if not is_backend_available(kind):
-        _warn_once(
-            f"unavailable:{kind}",
-            f"the {kind} backend is not available, so host "
-            "memory cannot be pinned; the host KV tier uses pageable memory",
-        )
-        return "pageable"
-    return "host_register" if requested == "host_register" else "pin_memory"
-
-
-def _cuda_rc(result: Any) -> int:
-    """cudart calls return a cudaError enum (pybind); 0 is success."""
-    return int(getattr(result, "value", result))
-
-
-@dataclass
-class HostAllocation:
-    """A host buffer plus how it was obtained; ``release()`` undoes cudaHostRegister."""
-
-    tensor: torch.Tensor
-    method: str
-    pinned: bool
-    registered_ptr: int | None = field(default=None, repr=False)
-
-    def release(self) -> None:
-        """Unregister host-registered memory; idempotent, a no-op for other methods."""
-        ptr, self.registered_ptr = self.registered_ptr, None
-        if ptr is None:
-            return
-        rc = _cuda_rc(torch.cuda.cudart().cudaHostUnregister(ptr))
-        if rc != 0:
-            logger.warning("cudaHostUnregister failed with error code %d", rc)
-
-
-def alloc_host(
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    device: str | torch.device | DeviceSpec,
-    method: str,
-) -> HostAllocation:
-    """Allocate a host tensor with ``method``; pinning failures fall back to pageable."""
-    kind = _bare_type(device)
-    size = tuple(shape)
-    if method == "pageable":
-        return HostAllocation(torch.empty(size, dtype=dtype), "pageable", False)
-    if method == "pin_memory":
-        # NOTE: pin_memory=True pins for the current accelerator (torch >= 2.3 asks the
-        # CUDA, XPU or PrivateUse1 hooks; torch_musa and torch_npu are PrivateUse1).
-        try:
-            return HostAllocation(
-                torch.empty(size, dtype=dtype, pin_memory=True), "pin_memory", True
-            )
-        except Exception as exc:
-            _warn_once(
-                "pin_failed",
-                f"pinning the host KV tier on {kind} failed ({exc}); "
-                "using pageable memory (pinned: false)",
-            )
-            return HostAllocation(torch.empty(size, dtype=dtype), "pageable", False)
-    if method == "host_register":
-        if kind != "cuda" or is_rocm():
-            raise ValueError(f"host_register is CUDA-only; device type is {kind!r}")
-        tensor = torch.empty(size, dtype=dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        try:
-            rc = _cuda_rc(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
-            reason = f"error code {rc}"
-        except Exception as exc:
-            rc, reason = -1, str(exc)
-        if rc != 0:
-            _warn_once(
-                "register_failed",
-                f"cudaHostRegister of {nbytes / 1e9:.2f} GB failed "
-                f"({reason}); using pageable memory (pinned: false)",
-            )
-            return HostAllocation(tensor, "pageable", False)
-        return HostAllocation(tensor, "host_register", True, registered_ptr=tensor.data_ptr())
-    raise ValueError(f"unknown host allocation method {method!r}; one of {HOST_ALLOC_METHODS}")
-
-
 # ---------------------------------------------------------------- streams and events
 # These pass the device index (None: the current device), never a torch.device, so they
 # work before and regardless of how the backend registers its device type with torch.
+
+
+def set_device(spec: DeviceSpec) -> None:
+    """Make ``spec`` the calling thread's current device. Calls that take no device (an
+    event's ``wait()``, ``current_stream()``) then mean this one, not device 0."""
+    module = backend_module(spec.type)
+    if module is None or spec.index is None or spec.type == "mps":
+        return
+    setter = getattr(module, "set_device", None)
+    if setter is not None:
+        setter(spec.index)
 
 
 def synchronize(spec: DeviceSpec) -> None:

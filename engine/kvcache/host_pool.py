@@ -6,10 +6,11 @@ from collections.abc import Callable
 
 import torch
 
+from engine.host_alloc import alloc_host, host_alloc_method, pinned_size
 from engine.host_memory import check_host_memory
 from engine.kvcache import host_copy
 from engine.kvcache.device_pool import DeviceKVPool
-from engine.platform import DeviceSpec, alloc_host, host_alloc_method
+from engine.platform import DeviceSpec
 
 HOST_LAYOUTS = ("layer_first", "page_first")
 
@@ -47,10 +48,13 @@ class HostKVPool:
         self.capacity = self.num_pages * page_size
         self.bytes_per_token = DeviceKVPool.token_bytes(num_layers, kv_heads, head_dim, dtype)
         self.nbytes = self.capacity * self.bytes_per_token
-        check_host_memory(
-            self.nbytes, "the HiCache host KV pool", "--hicache-size or --hicache-ratio"
-        )
         method = host_alloc_method(device, alloc_method)
+        # NOTE: checked at the size really taken: pin_memory pins a power of two.
+        check_host_memory(
+            pinned_size(method, self.nbytes),
+            "the HiCache host KV pool",
+            "--hicache-size or --hicache-ratio",
+        )
         if layout == "layer_first":
             shape = (2, num_layers, self.capacity, kv_heads, head_dim)
         else:
@@ -75,6 +79,11 @@ class HostKVPool:
     @property
     def pinned(self) -> bool:
         return self.allocation.pinned
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Host bytes held pinned (the power-of-two block for pin_memory)."""
+        return self.allocation.pinned_nbytes
 
     @property
     def available(self) -> int:

@@ -15,6 +15,7 @@ from engine.kvcache import host_copy
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
 from engine.platform import DeviceSpec
+from tests.unit.fake_backends import pretend_pinned
 
 CPU = DeviceSpec("cpu")
 LAYERS, HEADS, DIM = 3, 2, 4
@@ -315,8 +316,10 @@ def test_host_pool_pins_for_musa(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_empty(*size, **kwargs)  # type: ignore[call-overload]
 
     monkeypatch.setattr(torch, "empty", recording_empty)
+    pretend_pinned(monkeypatch)  # pinned is read from the tensor
     host = HostKVPool(2, 8, 1, 4, torch.float16, platform.parse_device("MUSA:1"))
     assert [r for r in requests if "pin_memory" in r] == [
         {"dtype": torch.float16, "pin_memory": True}
     ]
     assert (host.method, host.pinned) == ("pin_memory", True)
+    assert host.pinned_nbytes == host.nbytes == 256  # 8 tokens of 32 bytes: a power of two
