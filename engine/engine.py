@@ -35,6 +35,9 @@ class Engine:
         self.config = config
         self.device_spec = platform.resolve_device(config.device)
         self.device = platform.to_torch_device(self.device_spec)
+        # NOTE: calls without a device (event waits, current_stream) mean the current one;
+        # AsyncEngine's loop thread sets it again, as a new thread starts on device 0.
+        platform.set_device(self.device_spec)
         self.dtype = dtypes.parse_dtype(config.dtype, self.device_spec)
         torch.manual_seed(config.seed)
 

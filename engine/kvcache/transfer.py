@@ -37,6 +37,9 @@ class TransferHandle:
     direction: str  # "backup" | "load"
     num_tokens: int
     num_bytes: int
+    # The engine's device: compute waits on ITS current stream, whatever device the
+    # calling thread has current (an event's wait() alone means the current device's).
+    device: DeviceSpec | None = None
     done_event: Any | None = None
     layer_events: list[Any] = field(default_factory=list)
     # NOTE: slot tensors used by the copy stream stay referenced until it is finished, so
@@ -59,7 +62,8 @@ class TransferHandle:
         """Make the current (compute) stream wait for ``layer`` of a load; never blocks the
         host. A no-op when the copy ran synchronously."""
         if self.layer_events and not self.finished:
-            self.layer_events[layer].wait()
+            assert self.device is not None
+            self.layer_events[layer].wait(current_stream(self.device))
 
 
 class KVTransfer:
@@ -123,7 +127,7 @@ class KVTransfer:
         self._stats[f"{direction}_tokens"] += num_tokens
         self._stats[f"{direction}_bytes"] += num_bytes
         return TransferHandle(
-            direction, num_tokens, num_bytes, keepalive=[device_slots, host_slots]
+            direction, num_tokens, num_bytes, self.spec, keepalive=[device_slots, host_slots]
         )
 
     def _issue(

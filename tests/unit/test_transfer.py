@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from engine import platform
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
 from engine.kvcache.transfer import KVTransfer
 from engine.platform import DeviceSpec
+from tests.unit.fake_backends import FakeStreamBackend
 
 LAYERS, HEADS, DIM = 4, 2, 8
 
@@ -83,92 +79,27 @@ def test_mismatched_slot_counts_are_refused() -> None:
 # ---------------------------------------------------------------- fake streams
 
 
-class FakeStream:
-    def __init__(self, name: str, log: list[tuple[Any, ...]]) -> None:
-        self.name, self.log = name, log
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.log.append(("wait_stream", self.name, other.name))
-
-
-class FakeEvent:
-    def __init__(self, log: list[tuple[Any, ...]]) -> None:
-        self.log, self.complete, self.stream = log, False, ""
-
-    def record(self, stream: FakeStream) -> None:
-        self.stream = stream.name
-        self.log.append(("record", stream.name))
-
-    def query(self) -> bool:
-        return self.complete
-
-    def synchronize(self) -> None:
-        self.complete = True
-
-    def wait(self) -> None:
-        self.log.append(("wait_event", self.stream))
-
-
-class FakeStreamBackend(types.SimpleNamespace):
-    """torch.musa stand-in with streams and events that complete when told to."""
-
-    def __init__(self) -> None:
-        log: list[tuple[Any, ...]] = []
-        super().__init__(log=log, events=[], streams=0)
-        self.active = FakeStream("compute", log)
-
-    def is_available(self) -> bool:
-        return True
-
-    def Stream(self, device: Any = None) -> FakeStream:
-        self.streams += 1
-        return FakeStream(f"side{self.streams}", self.log)
-
-    def Event(self) -> FakeEvent:
-        self.events.append(FakeEvent(self.log))
-        return self.events[-1]
-
-    def current_stream(self, device: Any = None) -> FakeStream:
-        return self.active
-
-    @contextlib.contextmanager
-    def stream(self, stream: FakeStream) -> Iterator[None]:
-        previous, self.active = self.active, stream
-        try:
-            yield
-        finally:
-            self.active = previous
-
-
-@pytest.fixture
-def fake_musa(monkeypatch: pytest.MonkeyPatch) -> FakeStreamBackend:
-    backend = FakeStreamBackend()
-    monkeypatch.setattr(torch, "musa", backend, raising=False)
-    monkeypatch.setitem(sys.modules, "torch_musa", types.ModuleType("torch_musa"))
-    platform._import_failed.clear()
-    return backend
-
-
-@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize(("pinned", "index"), [(True, 0), (False, 0), (True, 1)])
 def test_gpu_copies_run_on_side_streams_with_events(
-    fake_musa: FakeStreamBackend, monkeypatch: pytest.MonkeyPatch, pinned: bool
+    fake_musa: FakeStreamBackend, monkeypatch: pytest.MonkeyPatch, pinned: bool, index: int
 ) -> None:
     device_pool, host = make_pools()
     host.allocation.pinned = pinned  # what alloc_host would report for pinned memory
     issued: list[tuple[str, str, bool]] = []
     real_backup, real_load = host.backup, host.load
+    compute = f"compute{index}"
 
     def backup(*args: Any) -> None:
-        issued.append(("backup", fake_musa.active.name, args[-1]))
+        issued.append(("backup", fake_musa.current_stream(index).name, args[-1]))
         real_backup(*args)
 
     def load(*args: Any) -> None:
-        issued.append(("load", fake_musa.active.name, args[-2]))
+        issued.append(("load", fake_musa.current_stream(index).name, args[-2]))
         real_load(*args)
 
     monkeypatch.setattr(host, "backup", backup)
     monkeypatch.setattr(host, "load", load)
-    transfer = KVTransfer(device_pool, host, DeviceSpec("musa", 0))
+    transfer = KVTransfer(device_pool, host, DeviceSpec("musa", index))
     assert transfer.asynchronous and transfer.non_blocking is pinned
 
     host_slots = host.alloc(6)
@@ -177,8 +108,8 @@ def test_gpu_copies_run_on_side_streams_with_events(
     expected = kv_of(device_pool, source)
     backup_handle = transfer.backup_async(source, host_slots)
     assert issued == [("backup", "side1", pinned)]
-    assert fake_musa.log[:2] == [("wait_stream", "side1", "compute"), ("record", "side1")]
-    assert fake_musa.active.name == "compute"  # the stream context was left
+    assert fake_musa.log[:2] == [("wait_stream", "side1", compute), ("record", "side1")]
+    assert fake_musa.current_stream(index).name == compute  # the stream context was left
     assert not backup_handle.done() and transfer.poll() == []
     assert backup_handle.keepalive  # slots stay referenced while in flight
 
@@ -187,8 +118,11 @@ def test_gpu_copies_run_on_side_streams_with_events(
     assert issued[-1] == ("load", "side2", pinned)
     assert [e.stream for e in load_handle.layer_events] == ["side2"] * LAYERS
     assert load_handle.done_event is not None and load_handle.done_event.stream == "side2"
+    # The calling thread's current device stays 0: the wait must still land on the
+    # engine device's compute stream, or attention on musa:1 reads KV before it lands.
+    assert fake_musa.current_device() == 0
     load_handle.wait_layer(2)
-    assert fake_musa.log[-1] == ("wait_event", "side2")
+    assert fake_musa.log[-1] == ("wait_event", "side2", compute)
 
     assert backup_handle.done_event is not None
     backup_handle.done_event.complete = True
