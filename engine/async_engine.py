@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine import platform
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import RequestOutput, SamplingParams
@@ -52,6 +53,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
+        self.join_timeout_s = 10.0
+        self._close_lock = threading.Lock()
+        self._closed = False
         self._stopping = False
         self._accepting = True
         self._error: BaseException | None = None
@@ -78,13 +82,32 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10.0)
+            await asyncio.to_thread(self._thread.join, self.join_timeout_s)
+            if self._thread.is_alive():
+                # NOTE: never release host memory under a running loop: its copies may
+                # still read or write it. The loop closes the engine when it ends.
+                logger.warning(
+                    "engine loop still running %.0f s after shutdown; it releases the "
+                    "engine when its current step ends",
+                    self.join_timeout_s,
+                )
+                return
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Close the engine once, from whichever of shutdown() and the loop ends last."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         self.engine.close()
 
     # ------------------------------------------------------------------ loop thread
     def _loop(self) -> None:
         engine = self.engine
         try:
+            # A new thread starts on device 0: calls that take no device mean this one.
+            platform.set_device(engine.device_spec)
             while not self._stopping:
                 self._drain_inbox()
                 if not engine.has_work:
@@ -103,6 +126,9 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(
                     stream.queue.put_nowait, EngineDeadError(f"engine loop crashed: {exc}")
                 )
+        finally:
+            if self._stopping:
+                self._close_engine()
 
     def _drain_inbox(self) -> None:
         while True:

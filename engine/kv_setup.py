@@ -31,6 +31,7 @@ class KVSetup:
     req_table: ReqTable
     manager: KVCacheManager
     host_pool: Any = None  # HostKVPool when HiCache is on
+    spec: platform.DeviceSpec | None = None
 
     def flush(self) -> bool:
         return self.manager.tree.clear()
@@ -64,11 +65,20 @@ class KVSetup:
             "host_total_tokens": self.host_pool.capacity,
             "host_alloc_method": self.host_pool.method,
             "pinned": self.host_pool.pinned,
+            "host_pinned_bytes": self.host_pool.pinned_nbytes,
         }
 
     def close(self) -> None:
-        if self.host_pool is not None:
-            self.host_pool.close()
+        """Release the host tier once nothing can touch it any more: copies on the side
+        streams finished, the device idle (the loop thread must have stopped)."""
+        if self.host_pool is None:
+            return
+        close_tree = getattr(self.manager.tree, "close", None)
+        if close_tree is not None:
+            close_tree()
+        if self.spec is not None:
+            platform.synchronize(self.spec)
+        self.host_pool.close()
 
 
 def kv_pool_tokens(config: EngineConfig, spec: platform.DeviceSpec, bytes_per_token: int) -> int:
@@ -115,4 +125,4 @@ def build_kv(
     else:
         tree = RadixCache(allocator, enabled=config.enable_prefix_cache)
     manager = KVCacheManager(allocator, req_table, tree)
-    return KVSetup(device_pool, req_table, manager, host_pool)
+    return KVSetup(device_pool, req_table, manager, host_pool, spec)

@@ -36,10 +36,11 @@ class HiRadixCache(RadixCache):
         host_pool: HostKVPool,
         write_policy: str = "write_through",
         load_threshold: int = 16,
+        device: platform.DeviceSpec | None = None,
     ) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
-        self.transfer = KVTransfer(device_pool, host_pool)
+        self.transfer = KVTransfer(device_pool, host_pool, device)
         self.write_policy = write_policy
         self.load_threshold = load_threshold
         self.token_bytes = device_pool.bytes_per_token
@@ -89,7 +90,11 @@ class HiRadixCache(RadixCache):
         return True
 
     def poll(self) -> None:
-        """Unlock nodes whose backup finished; forget finished loads (never blocks)."""
+        """Unlock nodes whose backup finished; forget finished loads (never blocks).
+
+        NOTE: called before every eviction, every match and every batch (take_load_handles):
+        a decode-only phase must still unlock finished backups, or their nodes stay
+        unevictable and running requests get retracted for nothing."""
         self._loads_inflight = [h for h in self._loads_inflight if not h.done()]
         still: list[tuple[Any, TreeNode]] = []
         for handle, node in self._pending:
@@ -98,6 +103,17 @@ class HiRadixCache(RadixCache):
             else:
                 still.append((handle, node))
         self._pending = still
+
+    def wait_backups(self) -> None:
+        """Block until every backup in flight is finished, then unlock their nodes."""
+        for handle, _ in self._pending:
+            handle.wait()
+        self.poll()
+
+    @property
+    def evictable_tokens(self) -> int:
+        self.poll()
+        return self.cached_tokens - self.protected_tokens
 
     def _on_insert_node(self, node: TreeNode) -> None:
         if self.write_policy == "write_through":
@@ -121,6 +137,16 @@ class HiRadixCache(RadixCache):
                 node = node.parent
 
     # ------------------------------------------------------------------ eviction
+    def evict(self, num_tokens: int) -> int:
+        """Device LRU eviction; waits for backups in flight before it gives up short (their
+        nodes are locked until the copy lands)."""
+        self.poll()
+        freed = super().evict(num_tokens)
+        if freed < num_tokens and self._pending:
+            self.wait_backups()
+            freed += super().evict(num_tokens - freed)
+        return freed
+
     def _before_device_evict(self, node: TreeNode) -> None:
         if self.write_policy == "write_back":
             # Its device slots are freed right after this: the copy must be complete.
@@ -172,6 +198,8 @@ class HiRadixCache(RadixCache):
         return freed
 
     def clear(self) -> bool:
+        # Copies in flight first: a backup keeps its node locked, a load writes slots.
+        self.transfer.wait_all()
         self.poll()
         super().evict(self.cached_tokens)
         self.evict_host(self.host_cached_tokens)
@@ -221,8 +249,14 @@ class HiRadixCache(RadixCache):
         )
 
     def take_load_handles(self) -> list[Any]:
+        self.poll()  # once per batch, decode-only phases included
         handles, self._loads_new = self._loads_new, []
         return handles
+
+    def close(self) -> None:
+        """Wait for every copy in flight (shutdown: the host buffer is released next)."""
+        self.transfer.wait_all()
+        self.poll()
 
     # ------------------------------------------------------------------ reporting
     def host_stats(self) -> dict[str, float]:
@@ -284,5 +318,6 @@ def build_hicache(
         host_pool,
         config.hicache_write_policy,
         config.hicache_load_threshold,
+        spec,
     )
     return tree, host_pool
