@@ -40,11 +40,10 @@ test: setup
 bench: setup
 	$(PY) -m bench.offline
 
-# On a machine with a CUDA GPU and a CUDA build of torch (TORCH_PIN=torch): the paths
-# CPU CI only covers with fakes (pinned host memory, copy streams and events).
-device-check: setup
-	$(VENV)/bin/pytest -q -ra -m cuda tests/unit
-	$(PY) -m bench.host_copy --device cuda
+# On the GPU machine, with ITS python3 and CUDA torch (no venv, nothing installed): the
+# paths CPU CI only covers with fakes, and one short report. Fails at once without CUDA.
+device-check:
+	$(PYTHON) tests/gpu/device_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,6 +17,9 @@ if os.environ.get("CI"):
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
+# tests/gpu/ runs only through `make device-check` (its own pytest.ini, CUDA required).
+collect_ignore = ["gpu"]
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the native CPU attention kernel once, up front: servers started by the

@@ -335,6 +335,25 @@ def test_clear_last_error_without_a_getter_or_library_warns(
     assert "could not clear the musa error" in caplog.text
 
 
+def test_cuda_error_without_a_getter_is_cleared_by_a_launch_check(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No cudaGetLastError binding and no libcudart found: one tiny kernel's launch check
+    reads (and so clears) the error; the RuntimeError it raises is the stale one."""
+    launched: list[str] = []
+
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        launched.append(kwargs["device"])
+        raise RuntimeError("CUDA error: part or all of the range is already mapped")
+
+    monkeypatch.setattr(host_alloc, "_loaded_cudart", lambda: None)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    api = host_alloc._RegisterApi(object(), "x", "y", "cudaGetLastError")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        host_alloc.clear_last_error(api)
+    assert launched == ["cuda"] and caplog.text == ""
+
+
 # ---------------------------------------------------------------- pin_memory failures
 
 

@@ -1,0 +1,115 @@
+"""The device check's CPU-checkable parts: it refuses to run without CUDA, and its GPU
+test modules import and collect where the server-only packages are missing (as on the
+GPU machine: no fastapi, pydantic, uvicorn, gguf or openai)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "gpu" / "device_check.py"
+BLOCKED = ("fastapi", "pydantic", "uvicorn", "gguf", "openai")
+
+
+def run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(
+        args, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_refuses_at_once_without_cuda() -> None:
+    result = run([sys.executable, str(SCRIPT)])
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert re.search(r"CPU-only build|no CUDA device is visible", result.stderr)
+    assert "nothing was tested" in result.stderr
+    assert "passed" not in result.stdout  # no test ran
+
+
+def test_refuses_when_torch_is_missing(tmp_path: Path) -> None:
+    """The machine's python3 without torch: a clear message, not a traceback."""
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")
+    result = run([sys.executable, str(SCRIPT)], PYTHONPATH=str(tmp_path))
+    assert result.returncode == 3
+    assert "torch cannot be imported" in result.stderr and "no torch here" in result.stderr
+
+
+def test_make_target_uses_the_machines_python_and_no_venv() -> None:
+    rule = re.search(r"^device-check:(.*)\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert rule is not None
+    prerequisites, recipe = rule.group(1).strip(), rule.group(2)
+    assert prerequisites == ""  # not `setup`: no venv, no pip on the GPU machine
+    assert recipe == "$(PYTHON) tests/gpu/device_check.py"
+
+
+BLOCKER = textwrap.dedent(
+    """
+    import importlib.abc
+    import sys
+
+    BLOCKED = {blocked!r}
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+            return None
+
+    for name in list(sys.modules):
+        if name.split(".")[0] in BLOCKED:
+            del sys.modules[name]
+    sys.meta_path.insert(0, Blocker())
+
+    # What the GPU tests' fixtures import, then the modules themselves via collection.
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+    AutoTokenizer.from_pretrained("tests/gpu/tokenizer", local_files_only=True)
+    sys.path.insert(0, {root!r})
+    sys.argv[0] = {script!r}
+    import runpy
+
+    check = runpy.run_path({script!r})
+    import pytest
+
+    args = check["pytest_command"](__import__("pathlib").Path("unused.xml"))[3:]
+    args = [a for a in args if not a.startswith("--junitxml")]
+    code = pytest.main(["--collect-only", *args])
+    loaded = sorted(n for n in sys.modules if n.split(".")[0] in BLOCKED)
+    print("LOADED-BLOCKED", loaded)
+    sys.exit(code)
+    """
+)
+
+
+def test_gpu_tests_collect_without_server_packages() -> None:
+    code = BLOCKER.format(blocked=BLOCKED, root=str(ROOT), script=str(SCRIPT))
+    result = run([sys.executable, "-c", code])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "LOADED-BLOCKED []" in output
+    collected = re.search(r"(\d+) tests collected", output)
+    assert collected is not None and int(collected.group(1)) >= 15, output
+    for name in (
+        "test_bytes_pinned_equal_bytes_asked",
+        "test_load_returns_at_once_and_compute_reads_the_loaded_kv[layer_first]",
+        "test_bf16_decode_batch_matches_one_by_one",
+        "test_failed_register_through_the_engine",
+        "test_engine_close_with_backups_in_flight",
+        "test_hicache_matches_the_radix_cache[write_back-4-layer_first]",
+        "test_decode_speed",
+    ):
+        assert name in output
+    # Only tests/gpu: nothing from the CPU suite.
+    assert "tests/unit/" not in output and "tests/integration/" not in output
+
+
+def test_tokenizer_is_small_and_self_contained() -> None:
+    folder = ROOT / "tests" / "gpu" / "tokenizer"
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    assert set(sizes) == {"tokenizer.json", "tokenizer_config.json"}
+    assert sum(sizes.values()) < 64 * 1024
