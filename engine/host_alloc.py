@@ -292,3 +292,14 @@ def alloc_host(
         nbytes = tensor.numel() * tensor.element_size()
         return HostAllocation(tensor, "pin_memory", pinned, pinned_size(method, nbytes) * pinned)
     raise ValueError(f"unknown host allocation method {method!r}; one of {HOST_ALLOC_METHODS}")
+
+
+def pinned_empty(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
+    """A small host buffer for one asynchronous upload or download, from the backend's
+    caching host allocator, which keeps it from reuse until the copies recorded on it
+    ran; pageable (the copy is then synchronous) where nothing can pin."""
+    size = (shape,) if isinstance(shape, int) else tuple(shape)
+    try:
+        return torch.empty(size, dtype=dtype, pin_memory=True)
+    except Exception:  # RuntimeError on a CPU-only torch
+        return torch.empty(size, dtype=dtype)

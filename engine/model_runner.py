@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
@@ -38,22 +39,26 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
 
-    def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
-        seq_lens = [s + n for s, n in zip(batch.starts, batch.extend_lens)]
-        device = self.device
-        return AttentionMetadata(
-            is_decode=batch.is_decode,
-            out_slots=batch.out_slots.to(device, non_blocking=True),
-            req_rows=torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            req_table=self.req_table.table,
-            prefix_lens_list=list(batch.starts),
-            extend_lens_list=list(batch.extend_lens),
-            seq_lens_list=seq_lens,
-            max_seq_len=max(seq_lens),
-        )
+    def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
+        """Every int64 input of one step in one buffer, one host -> device copy.
 
-    def _inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        NOTE: ``torch.tensor(list, device=...)`` or a blocking ``.to()`` from pageable
+        memory waits for everything queued on the stream; here the buffer is pinned (on
+        accelerators) and the copy asynchronous, so the host runs ahead of the device.
+        """
+        sizes = [len(p) if isinstance(p, list) else p.numel() for p in parts]
+        if self.device.type != "cpu":
+            host = pinned_empty(sum(sizes), torch.int64)
+        else:
+            host = torch.empty(sum(sizes), dtype=torch.int64)
+        offset = 0
+        for part, size in zip(parts, sizes):
+            values = part if isinstance(part, torch.Tensor) else torch.tensor(part)
+            host[offset : offset + size] = values.reshape(-1)
+            offset += size
+        return list(host.to(self.device, non_blocking=True).split(sizes))
+
+    def _host_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
         ids: list[int] = []
         positions: list[int] = []
         for req, start, n in zip(batch.reqs, batch.starts, batch.extend_lens):
@@ -65,21 +70,11 @@ class ModelRunner:
             else:
                 ids.extend(req.all_ids[start : start + n])
                 positions.extend(range(start, start + n))
-        return (
-            torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True),
-            torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
-        )
+        return ids, positions
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Forward ``batch``; sample for the rows whose prompt is complete."""
-        input_ids, positions = self._inputs(batch)
-        meta = self._metadata(batch)
-        meta.kv_loads = batch.kv_loads
-        hidden = self.model(input_ids, positions, meta, self.kv_pool)  # [T, hidden]
-        if not any(batch.sample):
-            return None
-        # Last token of each sequence that samples.
+    @staticmethod
+    def _sample_ends(batch: ScheduledBatch) -> tuple[list[int], list[Req]]:
+        """Index of the last token of each sequence that samples, and its request."""
         ends: list[int] = []
         sampling: list[Req] = []
         offset = 0
@@ -88,7 +83,36 @@ class ModelRunner:
             if do_sample:
                 ends.append(offset - 1)
                 sampling.append(req)
+        return ends, sampling
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """Forward ``batch``; sample for the rows whose prompt is complete."""
+        self.req_table.flush()  # this step's table writes, before attention reads them
+        ids, positions = self._host_inputs(batch)
+        ends, sampling = self._sample_ends(batch)
+        rows = [r.row for r in batch.reqs]
+        seq_lens = [s + n for s, n in zip(batch.starts, batch.extend_lens)]
+        input_ids, positions_t, out_slots, req_rows, seq_lens_t, ends_t = self._upload(
+            [ids, positions, batch.out_slots, rows, seq_lens, ends]
+        )
+        meta = AttentionMetadata(
+            is_decode=batch.is_decode,
+            out_slots=out_slots,
+            req_rows=req_rows,
+            seq_lens=seq_lens_t,
+            req_table=self.req_table.table,
+            prefix_lens_list=list(batch.starts),
+            extend_lens_list=list(batch.extend_lens),
+            seq_lens_list=seq_lens,
+            max_seq_len=max(seq_lens),
+            req_rows_list=rows,
+            kv_loads=batch.kv_loads,
+        )
+        hidden = self.model(input_ids, positions_t, meta, self.kv_pool)  # [T, hidden]
+        if not sampling:
+            return None
         if len(ends) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(ends, dtype=torch.int64, device=self.device)]
+            hidden = hidden.index_select(0, ends_t)  # [num_sampling, hidden]
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self.sampler(logits, sampling, self.eos_token_ids)

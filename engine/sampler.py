@@ -12,6 +12,12 @@ import torch
 from engine.request import Req, SamplingParams, TokenLogprob
 
 
+def _upload(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A Python list on ``device`` without a stream sync: ``torch.tensor(..., device=)``
+    waits for all queued work; a non-blocking copy of a small host tensor does not."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # [B] chosen token per row
     logprobs: list[TokenLogprob | None]  # [B] None where the row did not ask for logprobs
@@ -101,8 +107,8 @@ class Sampler:
             token_ids = self._sample(logits, reqs)
         else:
             token_ids = torch.empty(batch, dtype=torch.long, device=logits.device)
-            greedy_idx = torch.tensor(greedy_rows, device=logits.device)
-            sample_idx = torch.tensor(sample_rows, device=logits.device)
+            greedy_idx = _upload(greedy_rows, logits.device, torch.long)
+            sample_idx = _upload(sample_rows, logits.device, torch.long)
             token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
             token_ids[sample_idx] = self._sample(logits[sample_idx], [reqs[b] for b in sample_rows])
         logprobs = self._logprobs(raw_logits, token_ids, reqs)
@@ -133,16 +139,15 @@ class Sampler:
         # never a [B, V] temporary. A pair listed twice writes the same value twice.
         if rep_rows:
             rows, token_ids = self._flat_token_ids(reqs, rep_rows, with_prompt=True)  # [N]
-            penalty = torch.tensor(
-                [reqs[b].params.repetition_penalty for b in range(len(reqs))], device=device
+            penalty = _upload(
+                [reqs[b].params.repetition_penalty for b in range(len(reqs))], device
             )[rows]  # [N]
             values = logits[rows, token_ids]  # [N]
             logits[rows, token_ids] = torch.where(values > 0, values / penalty, values * penalty)
         if freq_rows:
             rows, token_ids = self._flat_token_ids(reqs, freq_rows, with_prompt=False)  # [N]
-            coef = torch.tensor(
-                [[r.params.presence_penalty, r.params.frequency_penalty] for r in reqs],
-                device=device,
+            coef = _upload(
+                [[r.params.presence_penalty, r.params.frequency_penalty] for r in reqs], device
             )[rows]  # [N, 2]
             # Frequency: every occurrence subtracts once (accumulated).
             logits.index_put_((rows, token_ids), -coef[:, 1], accumulate=True)
@@ -156,21 +161,22 @@ class Sampler:
         """(batch row, token id) of every output (and prompt) token of ``rows``, flat [N]."""
         lengths = [len(reqs[b].output_ids) for b in rows]
         flat_output = list(itertools.chain.from_iterable(reqs[b].output_ids for b in rows))
-        parts = [torch.tensor(flat_output, dtype=torch.long, device=self.device)]
+        parts = [_upload(flat_output, self.device, torch.long)]
         row_of = list(rows)
         if with_prompt:
             parts.extend(self._prompt_tensor(reqs[b]) for b in rows)
             lengths.extend(len(reqs[b].prompt_ids) for b in rows)
             row_of.extend(rows)
         token_ids = torch.cat(parts)  # [N]
-        runs = torch.tensor([row_of, lengths], device=self.device)  # [2, runs]
-        batch_rows = torch.repeat_interleave(runs[0], runs[1])  # [N]
+        # On the CPU: repeats held on the device make the output size a host sync.
+        batch_rows = torch.repeat_interleave(torch.tensor(row_of), torch.tensor(lengths))  # [N]
+        batch_rows = batch_rows.to(self.device, non_blocking=True)
         return batch_rows, token_ids
 
     def _prompt_tensor(self, req: Req) -> torch.Tensor:
         cached = self._prompt_tensors.get(req)
         if cached is None or cached.numel() != len(req.prompt_ids):
-            cached = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+            cached = _upload(req.prompt_ids, self.device, torch.long)
             self._prompt_tensors[req] = cached
         return cached
 
@@ -190,7 +196,7 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
-        index = torch.tensor([rows, token_ids], device=logits.device)  # [2, N]
+        index = _upload([rows, token_ids], logits.device, torch.long)  # [2, N]
         logits[index[0], index[1]] = float("-inf")
         return logits
 
@@ -201,15 +207,15 @@ class Sampler:
         num_rows, vocab = logits.shape
         params = [r.params for r in reqs]
         # One host -> device copy for all per-row knobs.
-        knobs = torch.tensor(
+        knobs = _upload(
             [
                 [p.temperature for p in params],
                 [p.top_k if 0 < p.top_k < vocab else vocab for p in params],
                 [p.top_p for p in params],
                 [p.min_p for p in params],
             ],
-            dtype=torch.float64,
-            device=logits.device,
+            logits.device,
+            torch.float64,
         )  # [4, S]
         all_top_k = all(0 < p.top_k < vocab for p in params)
         logits = filter_logits(
@@ -230,7 +236,7 @@ class Sampler:
         else:
             if unseeded:
                 shared = torch.empty(len(unseeded), vocab, device=probs.device)
-                uniform[torch.tensor(unseeded, device=probs.device)] = shared.uniform_(
+                uniform[_upload(unseeded, probs.device, torch.long)] = shared.uniform_(
                     generator=self.generator
                 )
             for i, r in enumerate(reqs):
@@ -251,7 +257,7 @@ class Sampler:
         if not rows:
             return out
         if len(rows) < len(reqs):
-            idx = torch.tensor(rows, device=raw_logits.device)
+            idx = _upload(rows, raw_logits.device, torch.long)
             raw_logits, token_ids = raw_logits[idx], token_ids[idx]  # [L, V], [L]
         # log_softmax(x) = x - logsumexp(x): no [L, V] log-softmax is materialised.
         log_norm = raw_logits.logsumexp(dim=-1, keepdim=True)  # [L, 1]

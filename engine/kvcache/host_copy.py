@@ -16,18 +16,21 @@ kernel, then moved by one DMA per host run (asynchronous from pinned memory).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 
 if TYPE_CHECKING:
     from engine.kvcache.host_pool import HostKVPool
 
-# Below this mean run length, per-run copies cost more in calls than they save.
-_MIN_MEAN_RUN = 4
+# Below this mean run size, a DMA per run costs more in calls than it moves: the run is
+# gathered (load) or scattered (backup) on the CPU through one pinned buffer instead.
+MIN_RUN_BYTES = 64 << 10
 # Upper bound of one device staging buffer; larger transfers are split into chunks.
 STAGE_BYTES = 64 << 20
 # Bytes per CPU piece: a temporary of this size stays in the last-level cache.
@@ -58,9 +61,10 @@ def plan_runs(host_slots: torch.Tensor) -> list[SlotRun]:
     return [SlotRun(*column) for column in columns]
 
 
-def fragmented(runs: list[SlotRun], num_tokens: int) -> bool:
-    """Too many short runs: one indexed copy beats a copy per run."""
-    return len(runs) > 1 and len(runs) * _MIN_MEAN_RUN > num_tokens
+def fragmented(runs: list[SlotRun], num_tokens: int, run_token_bytes: int) -> bool:
+    """Too many short runs: one indexed copy beats a copy per run. ``run_token_bytes``:
+    bytes one token adds to one run's block (a layer plane, or a page_first K/V half)."""
+    return len(runs) > 1 and num_tokens * run_token_bytes < len(runs) * MIN_RUN_BYTES
 
 
 def run_start(slots: torch.Tensor) -> int | None:
@@ -99,16 +103,22 @@ def copy_all(
 # ---------------------------------------------------------------- row ids
 
 
-def _layer_ids(layers: list[int]) -> torch.Tensor:
-    return torch.tensor(layers, dtype=torch.int64)
+def _layer_ids(layers: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """``layers`` as int64 on ``device``: built there (arange) when consecutive, as they
+    always are here; a blocking upload would wait for all work queued on the stream."""
+    first = layers[0]
+    if layers == list(range(first, first + len(layers))):
+        return torch.arange(first, first + len(layers), dtype=torch.int64, device=device)
+    return torch.tensor(layers, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def device_rows(
     pool: DeviceKVPool, slots: torch.Tensor, layers: list[int], layer_major: bool
 ) -> torch.Tensor:
-    """Device row ids ``[2, layers, n]`` (layer_major) or ``[2, n, layers]``."""
-    planes = (torch.arange(2)[:, None] * pool.num_layers + _layer_ids(layers)) * pool.num_slots
-    planes = planes.to(slots.device)  # [2, layers]
+    """Device row ids ``[2, layers, n]`` (layer_major) or ``[2, n, layers]``, computed on
+    ``slots.device`` (no host-device copy, no stream synchronise)."""
+    kv = torch.arange(2, dtype=torch.int64, device=slots.device)
+    planes = (kv[:, None] * pool.num_layers + _layer_ids(layers, slots.device)) * pool.num_slots
     if layer_major:
         return planes[:, :, None] + slots[None, None, :]
     return planes[:, None, :] + slots[None, :, None]
@@ -229,15 +239,26 @@ def load_cpu(
 # ---------------------------------------------------------------- accelerators: staged
 
 
+def _run_token_bytes(host: HostKVPool) -> int:
+    """Bytes one token adds to a run's block: a layer plane (layer_first) or a K/V half
+    of every layer (page_first)."""
+    planes = 2 * host.num_layers if host.layout == "layer_first" else 2
+    return host.bytes_per_token // planes
+
+
 def backup_staged(
     host: HostKVPool,
     pool: DeviceKVPool,
     device_slots: torch.Tensor,  # on the device
     host_slots: torch.Tensor,  # CPU
     non_blocking: bool,
-) -> None:
+) -> Callable[[], None] | None:
     """One gather kernel into a device buffer in the host layout, then one DMA per host
-    run (per layer plane for layer_first, per K/V half for page_first)."""
+    run (per layer plane for layer_first, per K/V half for page_first).
+
+    Fragmented host slots: one DMA into a pinned buffer and a CPU scatter. Returns that
+    scatter when it must wait for the copy stream (run it once the copy is done), else
+    None."""
     layers = list(range(host.num_layers))
     layer_first = host.layout == "layer_first"
     n = host_slots.numel()
@@ -245,9 +266,20 @@ def backup_staged(
     stage = rows_view(pool.kv_buffer).index_select(0, rows.reshape(-1))  # [rows, H*D]
     runs = plan_runs(host_slots)
     dst = rows_view(host.kv_buffer)
-    if fragmented(runs, n):  # one blocking DMA, scatter on the CPU
-        dst.index_copy_(0, host_rows(host, host_slots, layers).reshape(-1), stage.cpu())
-        return
+    if fragmented(runs, n, _run_token_bytes(host)):
+        targets = host_rows(host, host_slots, layers).reshape(-1)
+        if not non_blocking:  # pageable host memory: the copy blocks anyway
+            dst.index_copy_(0, targets, stage.cpu())
+            return None
+        # NOTE: off the host's critical path: the DMA is queued now, the scatter runs when
+        # the handle finds the copy done; the node stays locked until then.
+        landing = pinned_empty(tuple(stage.shape), stage.dtype)
+        landing.copy_(stage, non_blocking=True)
+
+        def scatter() -> None:
+            dst.index_copy_(0, targets, landing)
+
+        return scatter
     planes = 2 * host.num_layers
     if layer_first:
         stage_planes = stage.view(planes, n, -1)
@@ -264,6 +296,7 @@ def backup_staged(
         dsts.extend(host_planes[:, host_part].unbind(0))
         srcs.extend(stage_planes[:, stage_part].unbind(0))
     copy_all(dsts, srcs, non_blocking)
+    return None
 
 
 def load_staged(
@@ -284,11 +317,18 @@ def load_staged(
     rows = device_rows(pool, device_slots, layers, layer_major=layer_first)
     stage = torch.empty((*rows.shape, src.shape[1]), dtype=src.dtype, device=dst.device)
     runs = plan_runs(host_slots)
-    if fragmented(runs, n) or not (layer_first or len(layers) == host.num_layers):
-        # NOTE: blocking: the gathered temporary is pageable and freed right after.
-        stage.view(-1, src.shape[1]).copy_(
-            src.index_select(0, host_rows(host, host_slots, layers).reshape(-1))
-        )
+    if fragmented(runs, n, _run_token_bytes(host)) or not (
+        layer_first or len(layers) == host.num_layers
+    ):
+        # One CPU gather, one DMA. Pinned: asynchronous (the caching host allocator keeps
+        # the buffer until the copy ran); pageable: blocking, the temporary is freed next.
+        sources = host_rows(host, host_slots, layers).reshape(-1)
+        if non_blocking:
+            gathered = pinned_empty((sources.numel(), src.shape[1]), src.dtype)
+            torch.index_select(src, 0, sources, out=gathered)
+        else:
+            gathered = src.index_select(0, sources)
+        stage.view(-1, src.shape[1]).copy_(gathered, non_blocking=non_blocking)
     else:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []

@@ -147,7 +147,10 @@ class HostKVPool:
                 f"{host_slots.numel()} host slots vs {device_slots.numel()} "
                 "device slots: a copy needs one of each per token"
             )
-        return host_slots.reshape(-1).to("cpu", torch.int64)
+        host_slots = host_slots.reshape(-1)
+        if host_slots.device.type != "cpu":  # host slot ids live on the CPU
+            host_slots = host_slots.cpu()
+        return host_slots.to(torch.int64)
 
     def _cpu_scratch(self) -> torch.Tensor:
         """Bytes for one CPU copy piece, allocated on first use and then reused."""
@@ -170,20 +173,25 @@ class HostKVPool:
         device_slots: torch.Tensor,
         host_slots: torch.Tensor,
         non_blocking: bool = False,
-    ) -> None:
-        """Copy K/V of ``device_slots`` (all layers) into ``host_slots``."""
+    ) -> list[Callable[[], None]]:
+        """Copy K/V of ``device_slots`` (all layers) into ``host_slots``. Returns what must
+        run once the issued copies are done (CPU scatters of fragmented pieces)."""
         host_slots = self._check(device_pool, host_slots, device_slots)
         if host_slots.numel() == 0:
-            return
+            return []
         device_slots = device_slots.reshape(-1).to(torch.int64)
         if not self._staged(device_pool):
             host_copy.backup_cpu(self, device_pool, device_slots, host_slots, self._cpu_scratch())
-            return
+            return []
         device_slots = device_slots.to(device_pool.device, non_blocking=True)
+        finishers = []
         for start, end in self._chunks(host_slots.numel(), self.bytes_per_token):
-            host_copy.backup_staged(
+            finish = host_copy.backup_staged(
                 self, device_pool, device_slots[start:end], host_slots[start:end], non_blocking
             )
+            if finish is not None:
+                finishers.append(finish)
+        return finishers
 
     def load_layer(
         self,

@@ -95,7 +95,7 @@ class KVCacheManager:
         used_in_page = (start - req.prefix_len) % page
         if used_in_page:
             # Fill the rest of the request's current partial page first.
-            last = int(self.req_table.table[req.row, start - 1])
+            last = self.req_table.slot(req.row, start - 1)  # the CPU mirror: no sync
             take = min(page - used_in_page, num_tokens)
             parts.append(torch.arange(last + 1, last + 1 + take, dtype=torch.int64))
         remaining = num_tokens - sum(p.numel() for p in parts)

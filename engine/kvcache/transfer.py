@@ -45,11 +45,15 @@ class TransferHandle:
     # NOTE: slot tensors used by the copy stream stay referenced until it is finished, so
     # the caching allocator cannot hand their memory to the compute stream too early.
     keepalive: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # Host-side work that may run only once the copy is done (fragmented backups).
+    finishers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     finished: bool = False
 
     def done(self) -> bool:
         if not self.finished and (self.done_event is None or self.done_event.query()):
-            self.finished, self.keepalive = True, []
+            for finish in self.finishers:
+                finish()
+            self.finished, self.keepalive, self.finishers = True, [], []
         return self.finished
 
     def wait(self) -> None:
@@ -99,7 +103,9 @@ class KVTransfer:
         handle = self._start("backup", device_slots, host_slots)
 
         def issue(_: Callable[[int], None] | None) -> None:
-            self.host_pool.backup(self.device_pool, device_slots, host_slots, self.non_blocking)
+            handle.finishers = self.host_pool.backup(
+                self.device_pool, device_slots, host_slots, self.non_blocking
+            )
 
         return self._issue(handle, self.backup_stream, issue)
 
@@ -138,7 +144,7 @@ class KVTransfer:
     ) -> TransferHandle:
         if stream is None:
             issue(None)
-            handle.keepalive = []
+            handle.done()  # copied synchronously: finish now
         else:
             # NOTE: the copy stream starts after everything already queued on the compute
             # stream: a backup reads KV that compute wrote, a load overwrites slots whose

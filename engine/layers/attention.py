@@ -151,7 +151,8 @@ class TorchAttentionBackend(AttentionBackend):
             return slots, meta.cache[f"extend_mask_{b}"]
         seq_len, prefix_len = meta.seq_lens_list[b], meta.prefix_lens_list[b]
         ext_len = meta.extend_lens_list[b]
-        slots = meta.req_table[meta.req_rows[b], :seq_len].long()  # [S]
+        row = meta.req_rows_list[b] if meta.req_rows_list else meta.req_rows[b]
+        slots = meta.req_table[row, :seq_len].long()  # [S]
         rows = torch.arange(ext_len, device=slots.device)[:, None]  # [L, 1]
         cols = torch.arange(seq_len, device=slots.device)[None, :]  # [1, S]
         # NOTE: new token i sits at position prefix_len + i and sees keys 0..prefix_len + i.

@@ -27,6 +27,8 @@ class AttentionMetadata:
     extend_lens_list: list[int]  # [B] new tokens per sequence; sums to T
     seq_lens_list: list[int]  # [B]
     max_seq_len: int
+    # [B] req_rows as Python ints: a row picked by a 0-dim device tensor syncs the host.
+    req_rows_list: list[int] = field(default_factory=list)
     # Host-tier loads (TransferHandle) still in flight: each layer waits for its part.
     kv_loads: list[Any] = field(default_factory=list)
     # Filled lazily by the attention backend once per forward, reused by every layer.

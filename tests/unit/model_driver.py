@@ -77,6 +77,7 @@ class GreedyDriver:
             extend_lens_list=extend_lens,
             seq_lens_list=seq_lens,
             max_seq_len=max(seq_lens),
+            req_rows_list=list(rows),
         )
 
     def _assign(self, row: int, start: int, count: int) -> list[int]:

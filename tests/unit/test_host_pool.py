@@ -87,7 +87,9 @@ def slots_for(
 
 
 @pytest.mark.parametrize("piece_bytes", [None, 1], ids=["one_piece", "token_pieces"])
-@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize(
+    "staged", ["direct", "staged", "staged_run_dmas"], ids=["direct", "staged", "run_dmas"]
+)
 @pytest.mark.parametrize("pattern", SLOT_PATTERNS)
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -95,15 +97,17 @@ def test_round_trip(
     layout: str,
     page_size: int,
     pattern: str,
-    staged: bool,
+    staged: str,
     piece_bytes: int | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if staged == "staged_run_dmas":  # no run is too small: a DMA per run, never a gather
+        monkeypatch.setattr(host_copy, "MIN_RUN_BYTES", 0)
     if piece_bytes is not None:  # CPU copies one token per piece; staging one page per chunk
         monkeypatch.setattr(host_copy, "CPU_PIECE_BYTES", piece_bytes)
         monkeypatch.setattr(host_copy, "STAGE_BYTES", piece_bytes)
     device_pool, host = make_pools(layout, page_size)
-    host._force_staged = staged
+    host._force_staged = staged != "direct"
     n = 24
     device_slots, host_slots = slots_for(pattern, host, device_pool, n)
     host_before = host.kv_buffer.clone()
@@ -141,6 +145,36 @@ def test_round_trip(
     for (kv, layer), values in expected.items():
         assert torch.equal(device_kv(device_pool, kv, layer, targets), values)
         assert torch.equal(device_kv(device_pool, kv, layer, keep), kept[(kv, layer)])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_fragmented_pinned_backup_scatters_once_the_copy_is_done(layout: str) -> None:
+    """Pinned memory: the fragmented backup queues one DMA and hands back the CPU
+    scatter, which must wait for the copy stream; nothing blocks the host meanwhile."""
+    device_pool, host = make_pools(layout, page_size=1)
+    host._force_staged = True
+    device_slots = torch.arange(1, 25)
+    host_slots = fragmented_host_slots(host, 24)
+    finishers = host.backup(device_pool, device_slots, host_slots, non_blocking=True)
+    assert len(finishers) == 1
+    assert bool((host_kv(host, 0, 0, host_slots) == -7.0).all())  # not scattered yet
+    finishers[0]()
+    for kv in range(2):
+        for layer in range(LAYERS):
+            assert torch.equal(
+                host_kv(host, kv, layer, host_slots),
+                device_kv(device_pool, kv, layer, device_slots),
+            )
+
+
+def test_run_threshold_is_a_byte_size() -> None:
+    runs = host_copy.plan_runs(torch.tensor([0, 1, 2, 3, 10, 11, 12, 13]))
+    assert len(runs) == 2
+    # Two runs of 4 tokens: 8 tokens x 8 KiB = 64 KiB, 32 KiB a run: too small.
+    assert host_copy.fragmented(runs, 8, 8 << 10)
+    # At 16 KiB a token each run is 64 KiB: one DMA per run.
+    assert not host_copy.fragmented(runs, 8, 16 << 10)
+    assert not host_copy.fragmented(runs[:1], 4, 1)  # one run is never fragmented
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

@@ -89,9 +89,9 @@ def test_gpu_copies_run_on_side_streams_with_events(
     real_backup, real_load = host.backup, host.load
     compute = f"compute{index}"
 
-    def backup(*args: Any) -> None:
+    def backup(*args: Any) -> Any:
         issued.append(("backup", fake_musa.current_stream(index).name, args[-1]))
-        real_backup(*args)
+        return real_backup(*args)
 
     def load(*args: Any) -> None:
         issued.append(("load", fake_musa.current_stream(index).name, args[-2]))
