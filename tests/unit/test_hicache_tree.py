@@ -104,8 +104,12 @@ def test_below_threshold_is_recomputed():
     manager.release(req)
     manager.tree.evict(100)
     again = Req("b", list(range(100, 110)) + [2], SamplingParams())
+    # The prefix IS on the host tier: only the threshold makes it recompute.
+    assert manager.tree.host_cached_tokens == 11  # type: ignore[attr-defined]
+    assert manager.match(again).host_len == 10
     manager.admit(again)
     assert again.cached_host == 0 and again.prefix_len == 0
+    assert manager.tree.counters["loadback_tokens_total"] == 0  # type: ignore[attr-defined]
     manager.alloc(again, again.seq_len)
     manager.release(again)  # the recomputed KV revives the host-only nodes
     check_shape(manager.tree)  # type: ignore[arg-type]
