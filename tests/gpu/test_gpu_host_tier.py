@@ -4,6 +4,7 @@ fallback, copies that land in the right order, shutdown with copies in flight.""
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ SLEEP_CYCLES = 400_000_000  # a few hundred ms of GPU time: the copy is surely l
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * 4096
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def host_stats_reserved() -> int | None:
@@ -76,7 +77,10 @@ def test_bytes_pinned_equal_bytes_asked(figures: Figures) -> None:
     figures.add("pin_memory: resident growth (measured)", rss_grown, "B")
     figures.add("pin_memory: caching allocator growth", str(reserved_grown), "B")
     if reserved_grown is not None:
-        assert reserved_grown == pow2_ceil(nbytes)  # the rounding the check now counts
+        # The rounding the memory check now counts for pin_memory.
+        assert reserved_grown == pow2_ceil(nbytes), (
+            f"the caching host allocator took {reserved_grown} B for {nbytes} B asked"
+        )
     del pinned
     gc.collect()
 
