@@ -163,16 +163,14 @@ def _loaded_cudart() -> Any:
     """The libcudart this process already loaded (torch's), via ctypes; None if not found."""
     global _cudart_lib
     if _cudart_lib is None:
-        _cudart_lib = False
         try:
             with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-            for path in sorted(paths):
-                _cudart_lib = ctypes.CDLL(path)
-                break
+                paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+            if paths:
+                _cudart_lib = ctypes.CDLL(paths[0])
         except OSError:
             pass
-    return _cudart_lib or None
+    return _cudart_lib
 
 
 def clear_last_error(api: _RegisterApi) -> None:
@@ -189,7 +187,7 @@ def clear_last_error(api: _RegisterApi) -> None:
             return
         # A kernel launch check reads the pending error, and reading clears it.
         with contextlib.suppress(RuntimeError):
-            torch.zeros(1, device="cuda")
+            torch.ones(1, device="cuda")
         return
     logger.warning(
         "could not clear the %s error left by a failed host register; a later kernel may report it",

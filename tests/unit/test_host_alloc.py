@@ -342,12 +342,12 @@ def test_cuda_error_without_a_getter_is_cleared_by_a_launch_check(
     reads (and so clears) the error; the RuntimeError it raises is the stale one."""
     launched: list[str] = []
 
-    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def ones(*args: Any, **kwargs: Any) -> torch.Tensor:
         launched.append(kwargs["device"])
         raise RuntimeError("CUDA error: part or all of the range is already mapped")
 
     monkeypatch.setattr(host_alloc, "_loaded_cudart", lambda: None)
-    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(torch, "ones", ones)
     api = host_alloc._RegisterApi(object(), "x", "y", "cudaGetLastError")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         host_alloc.clear_last_error(api)
