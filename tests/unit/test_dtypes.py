@@ -7,7 +7,7 @@ import torch
 
 from engine.dtypes import default_dtype, parse_dtype
 from engine.platform import DeviceSpec
-from tests.unit.test_platform import ExplodingCuda, FakeBackend, install
+from tests.unit.fake_backends import ExplodingCuda, FakeBackend, install
 
 
 @pytest.mark.parametrize(
