@@ -24,7 +24,9 @@ for candidate in "$@"; do
         continue
     fi
     tried="$tried $path"
-    if "$path" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+    # An answer, not an exit code: anything executable exits 0 for `-c ...`.
+    found=$("$path" -c 'import importlib.util; print(importlib.util.find_spec("torch") is not None)' 2>/dev/null || true)
+    if [ "$found" = "True" ]; then
         mkdir -p "$dir/bin"
         for name in python python3; do
             printf '#!/bin/sh\nexec "%s" "$@"\n' "$path" > "$dir/bin/$name"
