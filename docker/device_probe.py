@@ -5,6 +5,11 @@ imported only after ``MUSA_VISIBLE_DEVICES`` is set, and so that a hung or crash
 driver cannot take the entrypoint down with it. Never lets an exception escape: the
 operator sees a message built from the report, not a traceback.
 
+NOTE: torch >= 2.5 imports torch_musa (>= 2.1) inside ``import torch`` through its
+``torch.backends`` entry point. A missing or mismatched MUSA driver would then fail
+``import torch`` itself and look like a broken image. The probe turns that autoload off
+and imports torch_musa on its own, so a driver problem is reported as one.
+
 Report: {"ok": bool, "device": first available type or None, "torch": version,
          "probes": [{"type", "available", "count", "names", "torch_musa", "cuda",
                      "hip", "stage", "error"}, ...], "error": why torch failed}
@@ -13,6 +18,7 @@ Report: {"ok": bool, "device": first available type or None, "torch": version,
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -58,6 +64,7 @@ def probe(torch: Any, device_type: str) -> dict[str, Any]:
 def main(device_types: list[str]) -> dict[str, Any]:
     """Probe ``device_types`` in order and stop at the first available one."""
     report: dict[str, Any] = {"ok": False, "device": None, "probes": []}
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # before torch's first import
     try:
         import torch
 

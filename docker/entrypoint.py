@@ -41,6 +41,7 @@ from preflight import (
     parse_device,
     pin_visible_device,
     resolve_device,
+    visible_devices_warning,
 )
 
 DEFAULT_MODEL_MOUNT = "/models"
@@ -166,6 +167,9 @@ def prepare(args: list[str], env: MutableMapping[str, str]) -> list[str]:
     cli = _cli_device(args)
     device_text = cli[1] if cli else env.get("HISERVE_DEVICE", "auto")
     requested = parse_device(device_text)
+    pairing = visible_devices_warning(requested, env)
+    if pairing:
+        log(f"warning: {pairing}")
     spec = pin_visible_device(requested, env)
     label = str(requested)
     if spec != requested:

@@ -35,6 +35,8 @@ AUTO_ORDER = ("cuda", "musa", "npu", "xpu", "mps")
 EXIT_BAD_CONFIG = 2
 EXIT_NO_DEVICE = 3
 PROBE_SCRIPT = Path(__file__).with_name("device_probe.py")
+# Where MUSA GPUs appear in a container (the vendor's docs: /dev/mtgpu*, /dev/dri/*).
+MUSA_DEVICE_NODES = ("/dev/mtgpu*", "/dev/dri/card*", "/dev/dri/renderD*")
 
 
 class PreflightError(Exception):
@@ -114,19 +116,42 @@ def run_probe(devices: Sequence[str], env: Mapping[str, str], timeout_s: float) 
     return report
 
 
-def _device_nodes() -> str:
+def _device_nodes(patterns: Sequence[str] = MUSA_DEVICE_NODES) -> str:
     """Describe the MUSA device nodes in this container and whether we can open them."""
-    nodes = sorted(glob.glob("/dev/mtgpu*") + glob.glob("/dev/dri/render*"))
+    nodes = sorted(path for pattern in patterns for path in glob.glob(pattern))
     if not nodes:
-        return "no /dev/mtgpu* or /dev/dri/render* device nodes exist in this container"
+        return "no /dev/mtgpu* or /dev/dri/* device nodes exist in this container"
     blocked = [n for n in nodes if not os.access(n, os.R_OK | os.W_OK)]
     if not blocked:
         return f"device nodes present and accessible: {', '.join(nodes)}"
+    owners = sorted({os.stat(n).st_gid for n in blocked})
+    groups = ", ".join(str(gid) for gid in owners)
     return (
         f"device nodes present but not accessible to uid {os.getuid()} "
-        f"(groups {sorted(os.getgroups())}): {', '.join(blocked)}; add the group that "
-        "owns them on the host (compose: group_add, usually 'video' or 'render'), "
-        "or run as root (HISERVE_USER=root)"
+        f"(groups {sorted(os.getgroups())}): {', '.join(blocked)}. They belong to group "
+        f"id {groups}: add it to the container (compose: HISERVE_DEVICE_GROUP={owners[0]}, "
+        "which compose passes to group_add; `getent group render` on the host shows the "
+        "render gid), or run as root (HISERVE_USER=root)"
+    )
+
+
+def visible_devices_warning(spec: DeviceSpec, env: Mapping[str, str]) -> str | None:
+    """Warn when ``musa:N`` points past the GPUs MTHREADS_VISIBLE_DEVICES gives the container.
+
+    The container toolkit renumbers the GPUs it passes in from 0, so
+    ``MTHREADS_VISIBLE_DEVICES=1`` with ``musa:1`` leaves a one-GPU container without GPU 1.
+    """
+    listed = env.get("MTHREADS_VISIBLE_DEVICES", "").strip().lower()
+    if spec.type != "musa" or spec.index is None or listed in ("", "all", "none", "void"):
+        return None
+    count = len([item for item in listed.split(",") if item.strip()])
+    if spec.index < count:
+        return None
+    return (
+        f"MTHREADS_VISIBLE_DEVICES={listed} passes {count} GPU(s) into the container, which "
+        f"sees them as musa:0..musa:{count - 1}; musa:{spec.index} is not among them. Pair "
+        f"the two: HISERVE_DEVICE=musa:0 with MTHREADS_VISIBLE_DEVICES={listed}, or "
+        f"MTHREADS_VISIBLE_DEVICES=all with HISERVE_DEVICE=musa:{spec.index}."
     )
 
 
@@ -149,7 +174,10 @@ def _musa_failure(info: dict, env: Mapping[str, str]) -> str:
             f"or do not match the image's MUSA SDK. {runtime_hint}"
         )
     if info.get("stage") == "query":
-        return f"torch.musa failed while counting GPUs ({info.get('error')}). {runtime_hint}"
+        return (
+            f"torch.musa failed while counting GPUs ({info.get('error')}; {_device_nodes()}). "
+            f"{runtime_hint}"
+        )
     return (
         f"torch_musa {info.get('torch_musa', '')} imported, but torch.musa.is_available() "
         f"is False: no MUSA GPU is visible ({settings}; {_device_nodes()}). {runtime_hint}"

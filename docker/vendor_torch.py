@@ -4,23 +4,26 @@ Used at image build time (stdlib only, any Python >= 3.10):
 
   python vendor_torch.py freeze constraints.txt --require torch --require torch_musa
   pip install -c constraints.txt ...
-  python vendor_torch.py verify constraints.txt --import torch_musa
+  python vendor_torch.py verify constraints.txt --require torch_musa
 
-``freeze`` reads ``pip freeze`` and writes ``name==version`` for the torch family (and
-numpy, whose ABI the torch build depends on). Packages installed from a file or URL
-(``torch @ file:///...``) are written as plain versions, because pip refuses URLs as
-constraints. ``verify`` fails (exit 1) when a frozen package changed version, when
-any ``nvidia-*`` package got in (a CUDA torch from PyPI brings them), or when the
-listed modules no longer import on top of a torch without CUDA.
+``freeze`` reads the installed distributions' metadata and writes ``name==version`` for
+the torch family (and numpy, whose ABI the torch build depends on); packages installed
+from a file or URL get plain versions too, because pip refuses URLs as constraints.
+``verify`` fails (exit 1) when a frozen package changed version, a required distribution
+is gone, any ``nvidia-*`` package got in (a CUDA torch from PyPI brings them), or torch
+is a CUDA build.
+
+NOTE: nothing here imports torch. torch >= 2.5 autoloads torch_musa (>= 2.1) inside
+``import torch``, and torch_musa needs MUSA driver libraries that exist only in a
+container started with the mthreads runtime, never during ``docker build``. Every check
+reads package metadata and files instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata as metadata
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,45 +34,6 @@ FROZEN = ("torch", "torch-musa", "torchvision", "torchaudio", "triton", "pytorch
 def canonical(name: str) -> str:
     """PEP 503 normalized distribution name: ``Torch_MUSA`` -> ``torch-musa``."""
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def parse_freeze(text: str) -> dict[str, str]:
-    """Map canonical name -> version for the FROZEN packages in ``pip freeze`` output."""
-    pins: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", "-e", "--")):
-            continue
-        if "==" in line:
-            name, _, version = line.partition("==")
-        elif " @ " in line:
-            name = line.partition(" @ ")[0]
-            version = metadata.version(name.strip())
-        else:
-            continue
-        name = canonical(name.strip())
-        if name in FROZEN:
-            pins[name] = version.strip()
-    return pins
-
-
-def freeze(out: Path, required: list[str]) -> int:
-    listing = subprocess.run(
-        [sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True
-    ).stdout
-    pins = parse_freeze(listing)
-    missing = [name for name in map(canonical, required) if name not in pins]
-    if missing:
-        print(
-            f"error: the base image lacks {', '.join(missing)}; pick a base image that "
-            "ships them (for MUSA: a musa-pytorch-release-public tag).",
-            file=sys.stderr,
-        )
-        return 1
-    body = "".join(f"{name}=={version}\n" for name, version in sorted(pins.items()))
-    out.write_text("# Frozen from the base image by docker/vendor_torch.py; do not edit.\n" + body)
-    print(f"froze {len(pins)} packages into {out}:\n{body}", end="")
-    return 0
 
 
 def read_constraints(path: Path) -> dict[str, str]:
@@ -92,6 +56,23 @@ def installed() -> dict[str, str]:
     return found
 
 
+def freeze(out: Path, required: list[str]) -> int:
+    now = installed()
+    pins = {name: version for name, version in now.items() if name in FROZEN}
+    missing = [name for name in map(canonical, required) if name not in pins]
+    if missing:
+        print(
+            f"error: the base image lacks {', '.join(missing)}; pick a base image that "
+            "ships them (for MUSA: a musa-pytorch-release-public tag).",
+            file=sys.stderr,
+        )
+        return 1
+    body = "".join(f"{name}=={version}\n" for name, version in sorted(pins.items()))
+    out.write_text("# Frozen from the base image by docker/vendor_torch.py; do not edit.\n" + body)
+    print(f"froze {len(pins)} packages into {out}:\n{body}", end="")
+    return 0
+
+
 def problems(pins: dict[str, str], now: dict[str, str]) -> list[str]:
     """What changed since the freeze: replaced or removed pins, and nvidia-* packages."""
     found = [
@@ -105,27 +86,33 @@ def problems(pins: dict[str, str], now: dict[str, str]) -> list[str]:
     return found
 
 
-def check_imports(modules: list[str]) -> list[str]:
-    """Import torch then ``modules``; torch must be a build without CUDA."""
+def torch_cuda_version() -> str | None:
+    """``torch.version.cuda`` of the installed torch, read from its file, not imported."""
     try:
-        torch = importlib.import_module("torch")
-    except Exception as exc:
-        return [f"import torch failed: {type(exc).__name__}: {exc}"]
-    found = []
-    if getattr(torch.version, "cuda", None):
-        found.append(f"torch {torch.__version__} is a CUDA build (CUDA {torch.version.cuda})")
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            found.append(f"import {module} failed: {type(exc).__name__}: {exc}")
+        version_file = metadata.distribution("torch").locate_file("torch/version.py")
+        text = Path(str(version_file)).read_text()
+    except (metadata.PackageNotFoundError, OSError):
+        return None
+    match = re.search(r"^cuda(?:\s*:[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    return match.group(1) if match else None
+
+
+def metadata_problems(now: dict[str, str], required: list[str]) -> list[str]:
+    """Required distributions missing, or a CUDA torch, judged from metadata only."""
+    found = [
+        f"{name} is not installed (the base image must provide it)"
+        for name in map(canonical, required)
+        if name not in now
+    ]
+    cuda = torch_cuda_version()
+    if cuda:
+        found.append(f"torch {now.get('torch', '?')} is a CUDA build (CUDA {cuda})")
     return found
 
 
-def verify(constraints: Path, modules: list[str]) -> int:
-    found = problems(read_constraints(constraints), installed())
-    if not found:
-        found = check_imports(modules)
+def verify(constraints: Path, required: list[str]) -> int:
+    now = installed()
+    found = problems(read_constraints(constraints), now) + metadata_problems(now, required)
     for problem in found:
         print(f"error: {problem}", file=sys.stderr)
     if found:
@@ -135,7 +122,10 @@ def verify(constraints: Path, modules: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    print(f"vendor torch intact ({constraints}); imports ok: torch {' '.join(modules)}")
+    names = ", ".join(
+        f"{n} {now[canonical(n)]}" for n in ["torch", *required] if canonical(n) in now
+    )
+    print(f"vendor torch intact ({constraints}): {names}")
     return 0
 
 
@@ -150,16 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     p_verify = sub.add_parser("verify", help="fail if the frozen packages changed")
     p_verify.add_argument("constraints", type=Path)
     p_verify.add_argument(
-        "--import",
-        dest="modules",
+        "--require",
         action="append",
         default=[],
-        help="module that must import after torch",
+        help="distribution that must still be installed (checked in its metadata)",
     )
     args = parser.parse_args(argv)
     if args.command == "freeze":
         return freeze(args.out, args.require)
-    return verify(args.constraints, args.modules)
+    return verify(args.constraints, args.require)
 
 
 if __name__ == "__main__":

@@ -110,9 +110,64 @@ def musa_problems(text: str) -> list[str]:
         problems.append("a pip install runs before the freeze")
     if verify_at is None or (install_at and verify_at < max(install_at)):
         problems.append("no verification after the last pip install")
-    elif "--import torch_musa" not in steps[verify_at][1]:
-        problems.append("the verification does not import torch_musa")
+    elif "--require torch_musa" not in steps[verify_at][1]:
+        problems.append("the verification does not check that torch_musa is still there")
+    problems += autoload_problems(steps)
+    find_at = next(
+        (i for i, (k, a) in enumerate(steps) if k == "RUN" and "find_python.sh" in a), None
+    )
+    path_env = next((a for k, a in steps if k == "ENV" and "PATH=/opt/hiserve/python/bin" in a), "")
+    if find_at is None or freeze_at is None or find_at > freeze_at:
+        problems.append("the vendor interpreter is not found before the freeze")
+    if not re.search(
+        r"PATH=/opt/hiserve/python/bin:/opt/hiserve/python/prefix/bin:\$\{?PATH", path_env
+    ):
+        problems.append("the vendor interpreter is not first on PATH for every step and user")
     return problems + common_problems(steps)
+
+
+def runs_python_code(command: str) -> bool:
+    """Whether a shell command runs Python code that may import torch.
+
+    ``pip`` and the stdlib-only build helpers (vendor_torch.py, find_python.sh) never do.
+    """
+    for words in pip_installs_free_commands(command):
+        if not words or not re.fullmatch(r"(.*/)?python3?", words[0]):
+            continue
+        rest = words[1:]
+        if rest[:2] == ["-m", "pip"] or (rest and rest[0].endswith("vendor_torch.py")):
+            continue
+        return True
+    return False
+
+
+def pip_installs_free_commands(command: str) -> list[list[str]]:
+    """The simple commands of a shell line, with leading VAR=value assignments dropped."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in ("&&", "||", ";", "(", ")", "|"):
+            commands.append([])
+        elif commands[-1] or not re.fullmatch(r"\w+=.*", token):
+            commands[-1].append(token)
+    return commands
+
+
+def autoload_problems(steps: list[tuple[str, str]]) -> list[str]:
+    """RUN steps that run Python code with torch_musa's autoload on.
+
+    torch >= 2.5 imports torch_musa inside `import torch`; no build step has the MUSA
+    driver libraries, so such a step fails the build on every MUSA host.
+    """
+    off = "TORCH_DEVICE_BACKEND_AUTOLOAD=0"
+    if any(k in ("ENV", "ARG") and off in a for k, a in steps):
+        return []
+    return [
+        f"RUN {a[:50]}... runs Python with torch_musa's autoload on (set {off})"
+        for k, a in steps
+        if k == "RUN" and runs_python_code(a) and off not in a
+    ]
 
 
 def common_problems(steps: list[tuple[str, str]]) -> list[str]:
@@ -135,11 +190,7 @@ def common_problems(steps: list[tuple[str, str]]) -> list[str]:
     if not entry or not entry[-1].startswith("[") or "entrypoint.py" not in entry[-1]:
         problems.append("ENTRYPOINT is not the exec-form docker/entrypoint.py")
     bake = next(
-        (
-            i
-            for i, (k, a) in enumerate(steps)
-            if k == "RUN" and "resolve_model_path('default')" in a
-        ),
+        (i for i, (k, a) in enumerate(steps) if k == "RUN" and "bake_model.py" in a),
         None,
     )
     if bake is None:
@@ -173,6 +224,20 @@ def test_dockerfile_musa_passes_static_checks() -> None:
         (lambda t: re.sub(r"HEALTHCHECK.*?\n.*?\n", "", t, flags=re.S), "HEALTHCHECK"),
         (lambda t: t.replace("--require torch_musa", ""), "not frozen"),
         (lambda t: re.sub(r"(?m)^USER .*$", "USER root", t), "runs as root"),
+        (
+            lambda t: t.replace("RUN TORCH_DEVICE_BACKEND_AUTOLOAD=0 python", "RUN python"),
+            "autoload",
+        ),
+        (
+            lambda t: t + '\nRUN python -m pip list && python -c "import torch"\n',
+            "autoload on",
+        ),
+        (lambda t: t.replace("--require torch_musa\n\n# 3.", "\n\n# 3."), "still there"),
+        (lambda t: t.replace("PATH=/opt/hiserve/python/bin:", "PATH="), "first on PATH"),
+        (
+            lambda t: re.sub(r"RUN sh /opt/hiserve/find_python.sh[^&]*&& ", "RUN ", t),
+            "not found before the freeze",
+        ),
     ],
 )
 def test_musa_checks_catch_broken_files(mutation: Callable[[str], str], expected: str) -> None:
@@ -324,29 +389,34 @@ def test_verify_fails_when_nvidia_packages_got_in(frozen: Path, tmp_path: Path) 
     assert "nvidia-cublas-cu12" in done.stderr
 
 
-def test_verify_fails_when_torch_musa_does_not_import(frozen: Path) -> None:
-    done = run_vendor("verify", str(frozen), "--import", "torch_musa")
+def test_verify_fails_when_torch_musa_is_gone(frozen: Path) -> None:
+    done = run_vendor("verify", str(frozen), "--require", "torch_musa")
     assert done.returncode == 1
-    assert "import torch_musa failed" in done.stderr and "Traceback" not in done.stderr
+    assert "torch-musa is not installed" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_freeze_refuses_a_base_without_torch_musa(tmp_path: Path) -> None:
-    done = run_vendor("freeze", str(tmp_path / "c.txt"), "--require", "torch_musa")
+def test_verify_fails_on_a_cuda_torch_without_importing_it(tmp_path: Path) -> None:
+    # A torch whose version file says CUDA, and whose import would fail: verify must
+    # judge it from the file alone (importing torch at build time autoloads torch_musa).
+    version = importlib.metadata.version("torch")
+    dist = tmp_path / f"torch-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('imported at build time')\n")
+    (tmp_path / "torch" / "version.py").write_text("cuda: Optional[str] = '12.8'\n")
+    constraints = tmp_path / "c.txt"
+    constraints.write_text(f"torch=={version}\n")
+    done = run_vendor("verify", str(constraints), pythonpath=str(tmp_path))
     assert done.returncode == 1
-    assert "torch-musa" in done.stderr and not (tmp_path / "c.txt").exists()
+    assert f"torch {version} is a CUDA build (CUDA 12.8)" in done.stderr
+    assert "imported at build time" not in done.stderr
 
 
-def test_freeze_parses_direct_references() -> None:
-    sys.path.insert(0, str(VENDOR_TORCH.parent))
-    try:
-        import vendor_torch
-    finally:
-        sys.path.pop(0)
-    numpy_version = importlib.metadata.version("numpy")
-    pins = vendor_torch.parse_freeze(
-        "Torch_MUSA==2.9.1\n"
-        "numpy @ file:///tmp/numpy-x.whl\n"
-        "-e git+https://example.invalid/hiserve.git#egg=hiserve\n"
-        "transformers==5.0.0\n"
-    )
-    assert pins == {"torch-musa": "2.9.1", "numpy": numpy_version}
+def test_vendor_torch_never_imports_torch() -> None:
+    source = VENDOR_TORCH.read_text()
+    tree = ast.parse(source)
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "torch_musa")}
+    assert "import_module" not in source and "__import__" not in source

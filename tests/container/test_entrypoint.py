@@ -343,7 +343,8 @@ def test_hicache_settings_in_the_summary(empty_mount: Path) -> None:
     ],
 )
 def test_device_parsing_matches_engine_platform(text: str) -> None:
-    platform = pytest.importorskip("engine.platform")
+    from engine import platform
+
     sys.path.insert(0, str(ENTRYPOINT.parent))
     try:
         import preflight
