@@ -14,6 +14,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 HICACHE_HOST_ALLOC = ("auto", "pin_memory", "host_register", "pageable")
+HICACHE_STORAGE_BACKENDS = ("none", "file", "mooncake")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # auto: the native CPU decode kernel for float32 on the CPU where it builds, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
@@ -50,6 +52,15 @@ class CacheConfig(ModelConfig):
     hicache_host_alloc: str = "auto"
     # Host hits shorter than this are recomputed instead of loaded back.
     hicache_load_threshold: int = 16
+    # L3: a page store below the host tier, shared by replicas and kept across restarts.
+    hicache_storage_backend: str = "none"
+    hicache_storage_dir: str | None = None  # the file backend's directory
+    hicache_storage_size: float | None = None  # GB the file backend may use; None: no limit
+    hicache_storage_prefetch_policy: str = "timeout"
+    # Prompts continuing past their device/host match by fewer tokens skip the store.
+    hicache_storage_prefetch_threshold: int = 256
+    hicache_mooncake_master: str | None = None  # host:port of mooncake_master
+    hicache_mooncake_metadata_server: str = "P2PHANDSHAKE"
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,26 @@ class EngineConfig(SchedulerConfig):
         _check_choice("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)
         _check_choice("hicache_mem_layout", self.hicache_mem_layout, HICACHE_MEM_LAYOUTS)
         _check_choice("hicache_host_alloc", self.hicache_host_alloc, HICACHE_HOST_ALLOC)
+        _check_choice(
+            "hicache_storage_backend", self.hicache_storage_backend, HICACHE_STORAGE_BACKENDS
+        )
+        _check_choice(
+            "hicache_storage_prefetch_policy",
+            self.hicache_storage_prefetch_policy,
+            HICACHE_PREFETCH_POLICIES,
+        )
+        if self.hicache_storage_backend != "none":
+            if not self.enable_hierarchical_cache:
+                raise ValueError(
+                    "an L3 storage backend sits below the HiCache host tier: add "
+                    "--enable-hierarchical-cache (or drop --hicache-storage-backend)"
+                )
+            if self.page_size < 2:
+                raise ValueError(
+                    "the L3 store keeps one object per KV page, so --page-size 1 would "
+                    "store every token on its own: use --page-size 16 to 64 with "
+                    "--hicache-storage-backend"
+                )
         for name in (
             "page_size",
             "max_running_requests",

@@ -60,7 +60,13 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
 
         self.kv: KVSetup = build_kv(
-            config, self.hf_config, self.device_spec, self.device, self.dtype, self.max_model_len
+            config,
+            self.hf_config,
+            self.device_spec,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            self.model_path,
         )
         self.scheduler = Scheduler(config, self.kv.manager, self.max_model_len)
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
@@ -79,6 +85,7 @@ class Engine:
                 "generation_tokens_total",
                 "cached_tokens_device_total",
                 "cached_tokens_host_total",
+                "cached_tokens_storage_total",
                 "requests_finished_total",
             ),
             0,
@@ -251,18 +258,20 @@ class Engine:
         self.counters["prompt_tokens_total"] += len(req.prompt_ids)
         self.counters["cached_tokens_device_total"] += req.cached_device
         self.counters["cached_tokens_host_total"] += req.cached_host
+        self.counters["cached_tokens_storage_total"] += req.cached_storage
 
     def _log_prefill(self, batch: ScheduledBatch, seconds: float) -> None:
         if not logger.isEnabledFor(logging.INFO):
             return
         new = batch.num_tokens
         logger.info(
-            "prefill batch: %d reqs, %d new tokens, cached %d device / %d host, "
+            "prefill batch: %d reqs, %d new tokens, cached %d device / %d host / %d storage, "
             "running %d, waiting %d, %.0f tok/s",
             len(batch.reqs),
             new,
             sum(r.cached_device for r in batch.reqs),
             sum(r.cached_host for r in batch.reqs),
+            sum(r.cached_storage for r in batch.reqs),
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             new / max(seconds, 1e-9),

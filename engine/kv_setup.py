@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ def build_kv(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
+    model_path: Path | None = None,
 ) -> KVSetup:
     num_layers = int(hf_config.num_hidden_layers)
     num_heads = int(hf_config.num_attention_heads)
@@ -121,7 +123,7 @@ def build_kv(
     if config.enable_hierarchical_cache and config.enable_prefix_cache:
         from engine.kvcache.hicache import build_hicache
 
-        tree, host_pool = build_hicache(config, allocator, device_pool, spec)
+        tree, host_pool = build_hicache(config, allocator, device_pool, spec, model_path)
     else:
         tree = RadixCache(allocator, enabled=config.enable_prefix_cache)
     manager = KVCacheManager(allocator, req_table, tree)

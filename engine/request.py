@@ -103,9 +103,10 @@ class RequestOutput:
     new_text: str  # text added since the previous output (never a partial UTF-8 char)
     finished: bool
     finish_reason: str | None
-    cached_tokens: int  # prompt tokens served from the prefix cache (device + host)
+    cached_tokens: int  # prompt tokens served from the prefix cache (every tier)
     cached_tokens_device: int
     cached_tokens_host: int
+    cached_tokens_storage: int = 0  # read from the L3 store, then loaded back
     logprobs: list[TokenLogprob] | None = None  # all so far, when requested
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None  # matched stop string or stop token id
@@ -148,6 +149,7 @@ class Req:
     # Reporting (first admission only: a retracted request keeps its first numbers)
     cached_device: int = 0
     cached_host: int = 0
+    cached_storage: int = 0  # prompt tokens read from the L3 store (then loaded back)
     reported_cache: bool = False
     num_retractions: int = 0
     finish_reason: FinishReason | None = None

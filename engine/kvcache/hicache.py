@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +16,8 @@ from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
 from engine.kvcache.radix_cache import MatchResult, RadixCache, TreeNode
+from engine.kvcache.storage import KVNamespace, make_store, model_digest
+from engine.kvcache.storage.tier import StorageTier
 from engine.kvcache.transfer import KVTransfer
 
 logger = logging.getLogger("hiserve.hicache")
@@ -37,12 +41,14 @@ class HiRadixCache(RadixCache):
         write_policy: str = "write_through",
         load_threshold: int = 16,
         device: platform.DeviceSpec | None = None,
+        storage: StorageTier | None = None,
     ) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.transfer = KVTransfer(device_pool, host_pool, device)
         self.write_policy = write_policy
         self.load_threshold = load_threshold
+        self.storage = storage  # the L3 tier below the host tier, if any
         self.token_bytes = device_pool.bytes_per_token
         self._pending: list[tuple[Any, TreeNode]] = []  # (transfer handle, locked node)
         self._loads_new: list[Any] = []  # loads the next forward must wait for, per layer
@@ -87,6 +93,9 @@ class HiRadixCache(RadixCache):
         elif not handle.done():
             self.lock(node)  # the device copy must outlive the transfer
             self._pending.append((handle, node))
+            return True
+        if self.storage is not None:
+            self.storage.on_host_copy(node)
         return True
 
     def poll(self) -> None:
@@ -100,9 +109,13 @@ class HiRadixCache(RadixCache):
         for handle, node in self._pending:
             if handle.done():
                 self.unlock(node)
+                if self.storage is not None and node.host_value is not None:
+                    self.storage.on_host_copy(node)
             else:
                 still.append((handle, node))
         self._pending = still
+        if self.storage is not None:
+            self.storage.poll()
 
     def wait_backups(self) -> None:
         """Block until every backup in flight is finished, then unlock their nodes."""
@@ -170,6 +183,8 @@ class HiRadixCache(RadixCache):
         self._free_host(node)
 
     def _free_host(self, node: TreeNode) -> None:
+        if node.host_value is not None and self.storage is not None:
+            self.storage.before_host_free(node)
         if node.host_value is not None:
             self.host_pool.free(node.host_value)
             self.host_cached_tokens -= len(node.key)
@@ -177,7 +192,18 @@ class HiRadixCache(RadixCache):
 
     def evict_host(self, num_tokens: int) -> int:
         """Free host slots of host-only leaves, LRU first."""
-        heap = [n for n in self.nodes() if n.value is None and not n.children and n.lock_ref == 0]
+        heap = [
+            n
+            for n in self.nodes()
+            if n.value is None
+            and not n.children
+            and n.lock_ref == 0
+            and not (
+                self.storage is not None
+                and n.host_value is not None
+                and self.storage.busy(n.host_value)
+            )
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -201,6 +227,8 @@ class HiRadixCache(RadixCache):
         # Copies in flight first: a backup keeps its node locked, a load writes slots.
         self.transfer.wait_all()
         self.poll()
+        if self.storage is not None:
+            self.storage.drain()
         super().evict(self.cached_tokens)
         self.evict_host(self.host_cached_tokens)
         return self.cached_tokens == 0 and self.host_cached_tokens == 0
@@ -248,6 +276,36 @@ class HiRadixCache(RadixCache):
             torch.cat([match.device_slots, device_slots]), match.host_node, 0, match.host_node
         )
 
+    def prefetch_from_storage(self, match: MatchResult, key: list[int]) -> int:
+        """Read the L3 pages that continue ``match`` into host-only nodes; return how
+        many tokens arrived (0 without a store, on a miss, or when it is not worth it)."""
+        if self.storage is None:
+            return 0
+        start = match.device_len + match.host_len
+        self.lock(match.host_node)  # making host room must not evict the path we extend
+        try:
+            found = self.storage.prefetch(match.host_node, key[start:], self._alloc_host)
+        finally:
+            self.unlock(match.host_node)
+        if found is None:
+            return 0
+        tokens, host_slots = found
+        # NOTE: match stopped at host_node because no child starts with the next page, so
+        # the new node is a new child; it hangs below a device or host node as it must.
+        node = TreeNode(tokens, None, match.host_node)
+        node.host_value = host_slots
+        node.in_storage = True
+        match.host_node.children[self._page_key(tokens)] = node
+        self.host_cached_tokens += len(tokens)
+        return len(tokens)
+
+    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        slots = self.host_pool.alloc(num_tokens)
+        if slots is None:
+            self.evict_host(num_tokens)
+            slots = self.host_pool.alloc(num_tokens)
+        return slots
+
     def take_load_handles(self) -> list[Any]:
         self.poll()  # once per batch, decode-only phases included
         handles, self._loads_new = self._loads_new, []
@@ -257,6 +315,8 @@ class HiRadixCache(RadixCache):
         """Wait for every copy in flight (shutdown: the host buffer is released next)."""
         self.transfer.wait_all()
         self.poll()
+        if self.storage is not None:
+            self.storage.close()
 
     # ------------------------------------------------------------------ reporting
     def host_stats(self) -> dict[str, float]:
@@ -266,6 +326,8 @@ class HiRadixCache(RadixCache):
             "host_cached": self.host_cached_tokens,
         }
         stats.update(self.counters)
+        if self.storage is not None:
+            stats.update(self.storage.stats())
         return stats
 
     def check_host_invariants(self) -> None:
@@ -278,11 +340,56 @@ class HiRadixCache(RadixCache):
         )
 
 
+def build_storage(
+    config: EngineConfig, host_pool: HostKVPool, model_path: Path | None
+) -> StorageTier | None:
+    """The L3 tier named by --hicache-storage-backend, or None."""
+    store = make_store(
+        config.hicache_storage_backend,
+        directory=config.hicache_storage_dir,
+        max_bytes=int((config.hicache_storage_size or 0) * 1e9),
+        mooncake_master=config.hicache_mooncake_master,
+        mooncake_metadata_server=config.hicache_mooncake_metadata_server,
+    )
+    if store is None:
+        return None
+    identity = (
+        model_digest(model_path)
+        if model_path is not None
+        else hashlib.sha256(config.model.encode()).hexdigest()
+    )
+    namespace = KVNamespace(
+        identity,
+        str(host_pool.dtype).removeprefix("torch."),
+        host_pool.layout,
+        host_pool.page_size,
+        host_pool.num_layers,
+        host_pool.kv_heads,
+        host_pool.head_dim,
+    )
+    logger.info(
+        "HiCache L3: %s store, prefetch %s (threshold %d tokens), namespace %s",
+        store.name,
+        config.hicache_storage_prefetch_policy,
+        config.hicache_storage_prefetch_threshold,
+        namespace.digest()[:12],
+    )
+    return StorageTier(
+        store,
+        namespace.digest(),
+        host_pool,
+        config.hicache_write_policy,
+        config.hicache_storage_prefetch_policy,
+        config.hicache_storage_prefetch_threshold,
+    )
+
+
 def build_hicache(
     config: EngineConfig,
     allocator: PageAllocator,
     device_pool: DeviceKVPool,
     spec: platform.DeviceSpec,
+    model_path: Path | None = None,
 ) -> tuple[HiRadixCache, HostKVPool]:
     """Size the host tier (--hicache-size GB, else --hicache-ratio x device pool)."""
     per_token = device_pool.bytes_per_token
@@ -319,5 +426,6 @@ def build_hicache(
         config.hicache_write_policy,
         config.hicache_load_threshold,
         spec,
+        build_storage(config, host_pool, model_path),
     )
     return tree, host_pool

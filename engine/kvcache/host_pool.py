@@ -257,6 +257,20 @@ class HostKVPool:
             for layer in group:
                 notify(layer)
 
+    @property
+    def page_nbytes(self) -> int:
+        return self.page_size * self.bytes_per_token
+
+    def page_pieces(self, page: int) -> list[torch.Tensor]:
+        """The contiguous views holding host page ``page`` (what the L3 store moves):
+        K then V for page_first, K and V of every layer for layer_first."""
+        rows = slice(page * self.page_size, (page + 1) * self.page_size)
+        if self.layout == "page_first":
+            return [self.kv_buffer[0, rows], self.kv_buffer[1, rows]]  # [P, L, H, D] each
+        return [
+            self.kv_buffer[kv, layer, rows] for kv in (0, 1) for layer in range(self.num_layers)
+        ]
+
     def close(self) -> None:
         """Release the host buffer (unregisters host-registered memory); idempotent."""
         self.allocation.release()

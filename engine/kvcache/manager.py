@@ -55,6 +55,9 @@ class KVCacheManager:
         # Lock before any load-back: its allocation may evict, never our own prefix.
         self.tree.lock(match.device_node)
         device_hit = match.device_len
+        from_storage = self._prefetch(req, match)
+        if from_storage:
+            match = self.tree.match_prefix(self._match_key(req), touch=False)
         if match.host_len > 0:
             loaded = self.tree.load_back(match)
             if loaded.device_node is not match.device_node:
@@ -65,9 +68,17 @@ class KVCacheManager:
         req.prefix_len = req.kv_len = match.device_len
         self.req_table.write(req.row, 0, match.device_slots)
         if not req.reported_cache:
+            # Load-back is all or nothing: the stored tail arrived only if everything did.
+            loaded_len = match.device_len - device_hit
             req.cached_device = device_hit
-            req.cached_host = match.device_len - device_hit
+            req.cached_storage = from_storage if loaded_len >= from_storage else 0
+            req.cached_host = loaded_len - req.cached_storage
             req.reported_cache = True
+
+    def _prefetch(self, req: Req, match: MatchResult) -> int:
+        """Tokens of ``req``'s prompt read from the L3 store into the host tier, if any."""
+        prefetch = getattr(self.tree, "prefetch_from_storage", None)
+        return 0 if prefetch is None else int(prefetch(match, self._match_key(req)))
 
     @staticmethod
     def _match_key(req: Req) -> list[int]:

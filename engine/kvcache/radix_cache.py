@@ -20,6 +20,8 @@ class TreeNode:
 
     ``value``: device slots (int64, CPU tensor) or None once evicted from the device.
     ``host_value``: host-tier slots or None (HiCache only).
+    ``storage_key``: key of the node's last page in the L3 store, once computed;
+    ``in_storage``: whether all its pages are known to be in that store (L3 only).
     """
 
     __slots__ = (
@@ -27,10 +29,12 @@ class TreeNode:
         "hit_count",
         "host_value",
         "id",
+        "in_storage",
         "key",
         "last_access",
         "lock_ref",
         "parent",
+        "storage_key",
         "value",
     )
     _ids = itertools.count()
@@ -44,6 +48,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.hit_count = 0
+        self.storage_key: str | None = None
+        self.in_storage = False
         self.id = next(TreeNode._ids)
 
     @property
@@ -164,6 +170,7 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
+        upper.in_storage = child.in_storage  # same pages, same keys: the upper part too
         child.key = child.key[at:]
         child.value = child.value[at:] if child.value is not None else None
         child.host_value = child.host_value[at:] if child.host_value is not None else None

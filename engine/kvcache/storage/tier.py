@@ -1,0 +1,269 @@
+"""HiCache's L3 tier: host copies written to a store in the background, prefetched back.
+
+Writes: once a tree node's KV is on the host tier, its full pages are queued for the
+store; a writer thread sends them, and until the engine thread sees the write
+acknowledged those host pages count as busy: host eviction passes them by, and freeing
+one waits for the writer. Under ``write_back`` the write happens when the host copy is
+evicted instead.
+
+Reads: at admission, the full pages of a prompt after its device and host match are
+looked up in the store and read into fresh host pages, which join the tree as
+host-only nodes; HiCache then loads them to the device like any host hit. A lookup or
+read slower than the prefetch timeout, a store that is down, a corrupt page: each is a
+miss and the request recomputes. Nothing the store does changes an output.
+
+NOTE: the read runs on a worker thread, but the engine thread waits for it (bounded by
+the timeout) before admitting the request; pages a timed-out read still writes into
+stay allocated until that read ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from engine.kvcache.host_pool import HostKVPool
+from engine.kvcache.radix_cache import TreeNode
+from engine.kvcache.storage.base import KVStore
+from engine.kvcache.storage.keys import page_keys
+
+logger = logging.getLogger("hiserve.hicache")
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# Pages waiting for the writer; past this, new writes are dropped (counted), never block.
+WRITE_QUEUE_PAGES = 4096
+
+
+class StorageTier:
+    """The store below one HiCache host tier, with its key chain and writer thread."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        namespace: str,
+        host_pool: HostKVPool,
+        write_policy: str = "write_through",
+        prefetch_policy: str = "timeout",
+        prefetch_threshold: int = 256,
+        timeout_base_s: float = 1.0,
+        timeout_per_ki_token_s: float = 0.25,
+    ) -> None:
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"prefetch policy {prefetch_policy!r} is not valid; one of {PREFETCH_POLICIES}"
+            )
+        self.store, self.namespace, self.host_pool = store, namespace, host_pool
+        self.page_size = host_pool.page_size
+        self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
+        self.prefetch_threshold = max(prefetch_threshold, self.page_size)
+        self.timeout_base_s, self.timeout_per_ki_token_s = timeout_base_s, timeout_per_ki_token_s
+        store.register_host_pool(host_pool.page_pieces, host_pool.page_nbytes)
+        register = getattr(store, "register_buffer", None)
+        if register is not None:
+            register(host_pool.kv_buffer.data_ptr(), host_pool.nbytes)
+        self.counters = dict.fromkeys(
+            (
+                "storage_write_tokens_total",
+                "storage_write_failed_tokens_total",
+                "storage_write_dropped_tokens_total",
+                "storage_prefetch_tokens_total",
+                "storage_prefetch_miss_total",
+            ),
+            0,
+        )
+        self._busy: Counter[int] = Counter()  # host page id -> writes in flight reading it
+        self._writes: queue.Queue[tuple[TreeNode, list[str], list[int]] | None] = queue.Queue()
+        self._acks: queue.SimpleQueue[tuple[TreeNode, list[int], int]] = queue.SimpleQueue()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="hiserve-l3-read")
+        self._orphans: list[tuple[Future, torch.Tensor]] = []  # timed-out reads, their slots
+        self._writer = threading.Thread(target=self._write_loop, name="hiserve-l3-write")
+        self._writer.daemon = True
+        self._writer.start()
+
+    # ------------------------------------------------------------------ keys
+    def last_key(self, node: TreeNode) -> str | None:
+        """Key of the last page of ``node`` (None for the root): the prior of its children.
+
+        NOTE: a page's key depends only on the tokens from the root to its end, so it
+        survives node splits; it is computed once per node."""
+        if node.parent is None:
+            return None
+        if node.storage_key is None:
+            node.storage_key = self.node_keys(node)[-1]
+        return node.storage_key
+
+    def node_keys(self, node: TreeNode) -> list[str]:
+        assert node.parent is not None
+        return page_keys(self.namespace, node.key, self.page_size, self.last_key(node.parent))
+
+    def _host_pages(self, host_slots: torch.Tensor) -> list[int]:
+        return (host_slots[:: self.page_size] // self.page_size).tolist()
+
+    # ------------------------------------------------------------------ writes
+    def on_host_copy(self, node: TreeNode) -> None:
+        """``node``'s KV just landed on the host tier: store it (unless write_back)."""
+        if self.write_policy != "write_back":
+            self._enqueue(node)
+
+    def busy(self, host_slots: torch.Tensor) -> bool:
+        """Whether a write in flight still reads any of these host slots."""
+        return bool(self._busy) and any(self._busy[p] for p in self._host_pages(host_slots))
+
+    def before_host_free(self, node: TreeNode) -> None:
+        """``node``'s host pages are about to be freed (and reused)."""
+        assert node.host_value is not None
+        if self.busy(node.host_value):
+            self.drain()  # the writer still reads these pages: let it finish first
+        if self.write_policy == "write_back" and not node.in_storage:
+            pages = self._host_pages(node.host_value)
+            try:
+                done = self.store.put_from(self.node_keys(node), pages)
+            except Exception:
+                logger.exception("L3 write failed")
+                done = [False] * len(pages)
+            self._count_write(node, len(pages), sum(done))
+
+    def _enqueue(self, node: TreeNode) -> None:
+        if node.in_storage or node.host_value is None:
+            return
+        pages = self._host_pages(node.host_value)
+        if sum(self._busy.values()) + len(pages) > WRITE_QUEUE_PAGES:
+            self.counters["storage_write_dropped_tokens_total"] += len(node.key)
+            return
+        self._busy.update(pages)
+        self._writes.put((node, self.node_keys(node), pages))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                node, keys, pages = item
+                try:
+                    done = self.store.put_from(keys, pages)
+                except Exception:  # a backend bug must not kill the writer
+                    logger.exception("L3 write failed")
+                    done = [False] * len(keys)
+                self._acks.put((node, pages, sum(done)))
+            finally:
+                self._writes.task_done()
+
+    def poll(self) -> None:
+        """Engine thread: release pages whose write was acknowledged; free orphaned reads."""
+        while True:
+            try:
+                node, pages, pages_done = self._acks.get_nowait()
+            except queue.Empty:
+                break
+            self._busy.subtract(pages)
+            self._busy = +self._busy  # drop zero counts
+            self._count_write(node, len(pages), pages_done)
+        still = []
+        for future, slots in self._orphans:
+            if future.done():
+                self.host_pool.free(slots)
+            else:
+                still.append((future, slots))
+        self._orphans = still
+
+    def _count_write(self, node: TreeNode, pages: int, pages_done: int) -> None:
+        node.in_storage = node.in_storage or pages_done == pages
+        self.counters["storage_write_tokens_total"] += pages_done * self.page_size
+        self.counters["storage_write_failed_tokens_total"] += (pages - pages_done) * self.page_size
+
+    def drain(self) -> None:
+        """Block until every queued write is done and acknowledged."""
+        self._writes.join()
+        self.poll()
+
+    # ------------------------------------------------------------------ reads
+    def prefetch(
+        self,
+        parent: TreeNode,
+        tokens: Sequence[int],
+        alloc_host: Callable[[int], torch.Tensor | None],
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """Read the stored pages that continue ``parent`` with ``tokens``.
+
+        Returns (tokens found, their host slots), the slots owned by the caller; None
+        when nothing worth loading is there (the caller recomputes).
+        """
+        num_pages = len(tokens) // self.page_size
+        if num_pages * self.page_size < self.prefetch_threshold:
+            return None
+        tokens = list(tokens[: num_pages * self.page_size])
+        keys = page_keys(self.namespace, tokens, self.page_size, self.last_key(parent))
+        timeout = self._timeout(len(tokens))
+        lookup = self._reader.submit(self.store.exists_prefix, keys)
+        try:
+            hits = lookup.result(timeout=timeout)
+        except FutureTimeout:
+            self._miss("lookup timed out")
+            return None
+        except Exception as exc:
+            self._miss(f"lookup failed: {exc}")
+            return None
+        if hits * self.page_size < self.prefetch_threshold:
+            self._miss(None)
+            return None
+        slots = alloc_host(hits * self.page_size)
+        if slots is None:
+            self._miss("no room on the host tier")
+            return None
+        read = self._reader.submit(self.store.get_into, keys[:hits], self._host_pages(slots))
+        try:
+            arrived = read.result(timeout=timeout)
+        except FutureTimeout:
+            self._orphans.append((read, slots))  # it still writes into them
+            self._miss("read timed out")
+            return None
+        except Exception as exc:
+            self.host_pool.free(slots)
+            self._miss(f"read failed: {exc}")
+            return None
+        run = arrived.index(False) if False in arrived else len(arrived)
+        keep = run * self.page_size
+        if keep < slots.numel():
+            self.host_pool.free(slots[keep:])
+        if keep < self.prefetch_threshold:
+            if keep:
+                self.host_pool.free(slots[:keep])
+            self._miss(None)
+            return None
+        self.counters["storage_prefetch_tokens_total"] += keep
+        return tokens[:keep], slots[:keep]
+
+    def _timeout(self, num_tokens: int) -> float | None:
+        if self.prefetch_policy == "wait_complete":
+            return None
+        if self.prefetch_policy == "best_effort":
+            return self.timeout_base_s / 10
+        return self.timeout_base_s + self.timeout_per_ki_token_s * num_tokens / 1024
+
+    def _miss(self, why: str | None) -> None:
+        self.counters["storage_prefetch_miss_total"] += 1
+        if why:
+            logger.info("L3 prefetch: %s; recomputing", why)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Finish queued writes, stop the threads, close the store."""
+        self.drain()
+        self._writes.put(None)
+        self._writer.join(timeout=30)
+        self._reader.shutdown(wait=True)
+        self.poll()
+        self.store.close()
+
+    def stats(self) -> dict[str, float]:
+        stats: dict[str, float] = dict(self.counters)
+        stats["storage_write_queue_pages"] = sum(self._busy.values())
+        return stats

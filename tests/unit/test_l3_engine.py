@@ -1,0 +1,172 @@
+"""HiCache's L3 tier through the engine: restarts and replicas hit what others stored.
+
+Each "replica" or "restart" is a fresh Engine over the same store; the reference is the
+same prompt recomputed by an engine without any cache. Slot accounting is checked on
+every step (``check_invariants``), across device, host and store traffic.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.kvcache.storage.file_store import FileStore
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PAGE = 4
+
+
+def make_engine(model_dir: Path, store_dir: Path | None, **kw: object) -> Engine:
+    cfg: dict[str, object] = dict(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=256,
+        page_size=PAGE,
+        hicache_load_threshold=PAGE,
+    )
+    if store_dir is not None:
+        cfg.update(
+            enable_hierarchical_cache=True,
+            hicache_storage_backend="file",
+            hicache_storage_dir=str(store_dir),
+            hicache_storage_prefetch_threshold=8,
+        )
+    cfg.update(kw)
+    engine = Engine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    engine.check_invariants = True
+    return engine
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> dict[tuple[int, ...], list[int]]:
+    engine = make_engine(tiny_llama_dir, None, enable_prefix_cache=False)
+    outputs = {}
+    for prompt in prompts(3, 41) + prompts(2, 30, seed=1):
+        outputs[tuple(prompt)] = engine.generate([prompt], PARAMS)[0].token_ids
+    engine.close()
+    return outputs
+
+
+def stored_len(prompt: list[int]) -> int:
+    """Tokens of ``prompt`` the store can serve: full pages of all but its last token."""
+    return (len(prompt) - 1) // PAGE * PAGE
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_restarted_engine_hits_what_it_stored(
+    tiny_llama_dir: Path, tmp_path: Path, reference: dict, layout: str
+) -> None:
+    first = make_engine(tiny_llama_dir, tmp_path, hicache_mem_layout=layout)
+    batch = prompts(3, 41)
+    cold = first.generate(batch, PARAMS)
+    assert all(out.cached_tokens_storage == 0 for out in cold)
+    first.close()  # drains the writer: every page is in the store
+    assert FileStore(tmp_path).stats.pages_written == 0  # a fresh view, nothing written
+    again = make_engine(tiny_llama_dir, tmp_path, hicache_mem_layout=layout)
+    warm = again.generate(batch, PARAMS)
+    for prompt, out in zip(batch, warm):
+        assert out.token_ids == reference[tuple(prompt)]
+        assert out.cached_tokens_storage == stored_len(prompt)
+        assert out.cached_tokens == out.cached_tokens_storage  # nothing else was cached
+    assert again.counters["cached_tokens_storage_total"] == sum(map(stored_len, batch))
+    again.close()
+
+
+def test_another_model_or_dtype_misses(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    batch = prompts(1, 41)
+    writer = make_engine(tiny_llama_dir, tmp_path)
+    writer.generate(batch, PARAMS)
+    writer.close()
+    other_dtype = make_engine(tiny_llama_dir, tmp_path, dtype="bfloat16")
+    assert other_dtype.generate(batch, PARAMS)[0].cached_tokens_storage == 0
+    other_dtype.close()
+
+
+def test_a_corrupt_store_is_a_miss_with_the_same_output(
+    tiny_llama_dir: Path, tmp_path: Path, reference: dict
+) -> None:
+    batch = prompts(1, 41)
+    writer = make_engine(tiny_llama_dir, tmp_path)
+    writer.generate(batch, PARAMS)
+    writer.close()
+    pages = sorted(tmp_path.rglob("*.kv"))
+    assert pages
+    for page in pages:  # every page truncated: nothing can be loaded
+        page.write_bytes(page.read_bytes()[:-3])
+    reader = make_engine(tiny_llama_dir, tmp_path)
+    out = reader.generate(batch, PARAMS)[0]
+    assert out.token_ids == reference[tuple(batch[0])]
+    assert out.cached_tokens_storage == 0
+    reader.close()
+
+
+def test_a_store_that_fails_every_call_changes_nothing(
+    tiny_llama_dir: Path, tmp_path: Path, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object, **__: object) -> object:
+        raise OSError(5, "Input/output error")
+
+    for name in ("exists_prefix", "get_into", "put_from"):
+        monkeypatch.setattr(FileStore, name, broken)
+    engine = make_engine(tiny_llama_dir, tmp_path)
+    batch = prompts(3, 41)
+    for _ in range(2):  # the second round would hit the store, were it working
+        outs = engine.generate(batch, PARAMS)
+        assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in batch]
+        assert all(o.cached_tokens_storage == 0 for o in outs)
+    stats = engine.kv.host_stats()
+    assert stats["storage_write_tokens_total"] == 0
+    engine.close()
+
+
+def test_two_replicas_share_a_prefix(tiny_llama_dir: Path, tmp_path: Path, reference: dict) -> None:
+    replica_a = make_engine(tiny_llama_dir, tmp_path)
+    replica_b = make_engine(tiny_llama_dir, tmp_path)
+    prompt = prompts(1, 30, seed=1)[0]
+    assert replica_a.generate([prompt], PARAMS)[0].cached_tokens_storage == 0
+    replica_a.kv.manager.tree.storage.drain()  # A's pages are written, A keeps running
+    out = replica_b.generate([prompt], PARAMS)[0]
+    assert out.token_ids == reference[tuple(prompt)]
+    assert out.cached_tokens_storage == stored_len(prompt)
+    replica_a.close()
+    replica_b.close()
+
+
+def test_short_prompts_skip_the_store(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    engine = make_engine(tiny_llama_dir, tmp_path, hicache_storage_prefetch_threshold=64)
+    batch = prompts(1, 41)
+    engine.generate(batch, PARAMS)
+    engine.close()
+    again = make_engine(tiny_llama_dir, tmp_path, hicache_storage_prefetch_threshold=64)
+    assert again.generate(batch, PARAMS)[0].cached_tokens_storage == 0  # 40 < 64 tokens
+    assert again.kv.host_stats()["storage_prefetch_tokens_total"] == 0
+    again.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"enable_hierarchical_cache": False}, "--enable-hierarchical-cache"),
+        ({"page_size": 1}, "--page-size 16 to 64"),
+        ({"hicache_storage_prefetch_policy": "eventually"}, "hicache_storage_prefetch_policy"),
+    ],
+)
+def test_bad_storage_settings_are_refused(settings: dict, message: str, tmp_path: Path) -> None:
+    cfg = dict(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        page_size=PAGE,
+    )
+    cfg.update(settings)
+    with pytest.raises(ValueError, match=message.replace("-", r"\-")):
+        EngineConfig(**cfg)  # type: ignore[arg-type]
