@@ -8,12 +8,14 @@ every step (``check_invariants``), across device, host and store traffic.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kvcache.storage.file_store import FileStore
+from tests.unit.mooncake_cluster import Mooncake, mooncake_cluster
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 4
@@ -170,3 +172,31 @@ def test_bad_storage_settings_are_refused(settings: dict, message: str, tmp_path
     cfg.update(settings)
     with pytest.raises(ValueError, match=message.replace("-", r"\-")):
         EngineConfig(**cfg)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[Mooncake]:
+    yield from mooncake_cluster()
+
+
+def test_mooncake_a_restarted_engine_hits_what_it_stored(
+    tiny_llama_dir: Path, mooncake: Mooncake, reference: dict
+) -> None:
+    # page_first: one object per page for K and one for V (layer_first would be 2 x L).
+    settings = dict(
+        hicache_storage_backend="mooncake",
+        hicache_mooncake_master=mooncake.master,
+        hicache_mooncake_metadata_server=mooncake.metadata,
+        hicache_mem_layout="page_first",
+    )
+    batch = prompts(2, 30, seed=1)
+    first = make_engine(tiny_llama_dir, Path("unused"), **settings)
+    first.kv.manager.tree.storage.store.clear()
+    assert all(o.cached_tokens_storage == 0 for o in first.generate(batch, PARAMS))
+    first.close()  # its pages live on in the holder process
+    again = make_engine(tiny_llama_dir, Path("unused"), **settings)
+    for prompt, out in zip(batch, again.generate(batch, PARAMS)):
+        assert out.token_ids == reference[tuple(prompt)]
+        assert out.cached_tokens_storage == stored_len(prompt)
+    again.kv.manager.tree.storage.store.clear()
+    again.close()
