@@ -60,13 +60,16 @@ class KVSetup:
                 "host_total_tokens": 0,
                 "host_alloc_method": None,
                 "pinned": False,
+                "storage_backend": None,
             }
+        storage = getattr(self.manager.tree, "storage", None)
         return {
             "hicache": True,
             "host_total_tokens": self.host_pool.capacity,
             "host_alloc_method": self.host_pool.method,
             "pinned": self.host_pool.pinned,
             "host_pinned_bytes": self.host_pool.pinned_nbytes,
+            "storage_backend": storage.store.name if storage is not None else None,
         }
 
     def close(self) -> None:

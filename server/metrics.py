@@ -70,6 +70,26 @@ _PLAIN_COUNTERS = (
     ("hicache_backup_bytes_total", "Bytes copied device -> host.", "backup_bytes_total"),
     ("hicache_loadback_tokens_total", "Tokens copied host -> device.", "loadback_tokens_total"),
     ("hicache_loadback_bytes_total", "Bytes copied host -> device.", "loadback_bytes_total"),
+    (
+        "hicache_storage_write_tokens_total",
+        "Tokens written host -> L3 store.",
+        "storage_write_tokens_total",
+    ),
+    (
+        "hicache_storage_write_failed_tokens_total",
+        "Tokens the L3 store did not take (errors, full).",
+        "storage_write_failed_tokens_total",
+    ),
+    (
+        "hicache_storage_write_dropped_tokens_total",
+        "Tokens not written to L3 because its write queue was full.",
+        "storage_write_dropped_tokens_total",
+    ),
+    (
+        "hicache_storage_prefetch_tokens_total",
+        "Tokens read L3 store -> host at admission.",
+        "storage_prefetch_tokens_total",
+    ),
 )
 
 
@@ -129,15 +149,17 @@ class EngineCollector(Collector):
             gauge.add_metric([], get(key))
             yield gauge
         prompt_total = get("prompt_tokens_total")
-        cached_device, cached_host = (
+        cached_device, cached_host, cached_storage = (
             get("cached_tokens_device_total"),
             get("cached_tokens_host_total"),
+            get("cached_tokens_storage_total"),
         )
         hit_rate = GaugeMetricFamily(
             PREFIX + "prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens, since start."
         )
         hit_rate.add_metric(
-            [], (cached_device + cached_host) / prompt_total if prompt_total else 0.0
+            [],
+            (cached_device + cached_host + cached_storage) / prompt_total if prompt_total else 0.0,
         )
         yield hit_rate
         for name, doc, key in _PLAIN_COUNTERS:
@@ -151,6 +173,7 @@ class EngineCollector(Collector):
         )
         cached.add_metric(["device"], cached_device)
         cached.add_metric(["host"], cached_host)
+        cached.add_metric(["storage"], cached_storage)
         yield cached
         evicted = CounterMetricFamily(
             PREFIX + "evicted_tokens_total", "KV tokens evicted from a tier.", labels=["tier"]

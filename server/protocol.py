@@ -101,6 +101,7 @@ class PromptTokensDetails(BaseModel):
     # Extras that OpenAI clients ignore: where the cached tokens came from.
     cached_tokens_device: int = 0
     cached_tokens_host: int = 0
+    cached_tokens_storage: int = 0  # read from the L3 store, then loaded back
 
 
 class UsageInfo(BaseModel):

@@ -133,18 +133,22 @@ def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
     """Prompt tokens count once per prompt (not per sample); cached split from sample 0."""
     prompt_tokens = sum(len(p) for p in plan.prompts)
     completion_tokens = sum(len(out.token_ids) for out in finals.values())
-    device = host = 0
+    device = host = storage = 0
     for p in range(len(plan.prompts)):
         first = finals.get(p * plan.n)
         if first is not None:
             device += first.cached_tokens_device
             host += first.cached_tokens_host
+            storage += first.cached_tokens_storage
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=device + host, cached_tokens_device=device, cached_tokens_host=host
+            cached_tokens=device + host + storage,
+            cached_tokens_device=device,
+            cached_tokens_host=host,
+            cached_tokens_storage=storage,
         ),
     )
 

@@ -200,3 +200,18 @@ def test_mooncake_a_restarted_engine_hits_what_it_stored(
         assert out.cached_tokens_storage == stored_len(prompt)
     again.kv.manager.tree.storage.store.clear()
     again.close()
+
+
+def test_usage_reports_the_storage_tier(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from server.serving import Plan, make_usage
+
+    batch = prompts(1, 41)
+    writer = make_engine(tiny_llama_dir, tmp_path)
+    writer.generate(batch, PARAMS)
+    writer.close()
+    reader = make_engine(tiny_llama_dir, tmp_path)
+    out = reader.generate(batch, PARAMS)[0]
+    reader.close()
+    usage = make_usage(Plan("cmpl-1", batch, 1), {0: out}).prompt_tokens_details
+    assert usage.cached_tokens_storage == stored_len(batch[0]) == usage.cached_tokens
+    assert usage.cached_tokens_host == usage.cached_tokens_device == 0
