@@ -8,6 +8,7 @@ every step (``check_invariants``), across device, host and store traffic.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -215,3 +216,61 @@ def test_usage_reports_the_storage_tier(tiny_llama_dir: Path, tmp_path: Path) ->
     usage = make_usage(Plan("cmpl-1", batch, 1), {0: out}).prompt_tokens_details
     assert usage.cached_tokens_storage == stored_len(batch[0]) == usage.cached_tokens
     assert usage.cached_tokens_host == usage.cached_tokens_device == 0
+
+
+@pytest.mark.parametrize("slow", ["exists_prefix", "get_into"])
+def test_a_store_slower_than_the_timeout_is_a_miss(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    reference: dict,
+    monkeypatch: pytest.MonkeyPatch,
+    slow: str,
+) -> None:
+    batch = prompts(3, 41)
+    writer = make_engine(tiny_llama_dir, tmp_path)
+    writer.generate(batch, PARAMS)
+    writer.close()
+    release = threading.Event()
+    original = getattr(FileStore, slow)
+
+    def stalled(self: FileStore, *args: object) -> object:
+        release.wait(timeout=60)  # far past best_effort's 0.1 s
+        return original(self, *args)
+
+    monkeypatch.setattr(FileStore, slow, stalled)
+    reader = make_engine(tiny_llama_dir, tmp_path, hicache_storage_prefetch_policy="best_effort")
+    outs = reader.generate(batch[:1], PARAMS)
+    assert outs[0].token_ids == reference[tuple(batch[0])]
+    assert outs[0].cached_tokens_storage == 0
+    tier = reader.kv.manager.tree.storage
+    if slow == "get_into":
+        assert tier.orphaned_tokens == stored_len(batch[0])  # still being written into
+    release.set()
+    for prompt in batch[1:]:  # the store answers again: later prompts hit it
+        out = reader.generate([prompt], PARAMS)[0]
+        assert out.token_ids == reference[tuple(prompt)]
+        assert out.cached_tokens_storage == stored_len(prompt)
+    assert tier.orphaned_tokens == 0  # the timed-out read ended and its slots came back
+    reader.close()
+
+
+def test_mooncake_master_killed_mid_run_changes_no_output(
+    tiny_llama_dir: Path, reference: dict
+) -> None:
+    cluster = next(mooncake_cluster_gen := mooncake_cluster())
+    settings = dict(
+        hicache_storage_backend="mooncake",
+        hicache_mooncake_master=cluster.master,
+        hicache_mooncake_metadata_server=cluster.metadata,
+        hicache_mem_layout="page_first",
+    )
+    engine = make_engine(tiny_llama_dir, Path("unused"), **settings)
+    batch = prompts(3, 41)
+    first = engine.generate(batch[:1], PARAMS)[0]
+    assert first.token_ids == reference[tuple(batch[0])]
+    cluster.stop()  # master and holder gone: every lookup, read and write now fails
+    for prompt in batch:
+        out = engine.generate([prompt], PARAMS)[0]
+        assert out.token_ids == reference[tuple(prompt)]
+    engine.close()
+    mooncake_cluster_gen.close()

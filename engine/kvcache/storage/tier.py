@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,10 @@ logger = logging.getLogger("hiserve.hicache")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # Pages waiting for the writer; past this, new writes are dropped (counted), never block.
 WRITE_QUEUE_PAGES = 4096
+# After a store call times out or fails, the store is left alone this long (doubling on
+# each failure in a row, up to the maximum), so a dead store costs one timeout, not one
+# per request.
+BACKOFF_S, BACKOFF_MAX_S = 2.0, 60.0
 
 
 class StorageTier:
@@ -83,6 +88,8 @@ class StorageTier:
         self._acks: queue.SimpleQueue[tuple[TreeNode, list[int], int]] = queue.SimpleQueue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hiserve-l3-read")
         self._orphans: list[tuple[Future, torch.Tensor]] = []  # timed-out reads, their slots
+        self._down_until = 0.0  # monotonic time before which the store is not asked
+        self._backoff_s = BACKOFF_S
         self._writer = threading.Thread(target=self._write_loop, name="hiserve-l3-write")
         self._writer.daemon = True
         self._writer.start()
@@ -147,11 +154,13 @@ class StorageTier:
                 if item is None:
                     return
                 node, keys, pages = item
-                try:
-                    done = self.store.put_from(keys, pages)
-                except Exception:  # a backend bug must not kill the writer
-                    logger.exception("L3 write failed")
-                    done = [False] * len(keys)
+                done = [False] * len(keys)
+                if not self.down:
+                    try:
+                        done = self.store.put_from(keys, pages)
+                    except Exception:  # a backend bug must not kill the writer
+                        logger.exception("L3 write failed")
+                    self._judge(any(done))
                 self._acks.put((node, pages, sum(done)))
             finally:
                 self._writes.task_done()
@@ -197,7 +206,7 @@ class StorageTier:
         when nothing worth loading is there (the caller recomputes).
         """
         num_pages = len(tokens) // self.page_size
-        if num_pages * self.page_size < self.prefetch_threshold:
+        if num_pages * self.page_size < self.prefetch_threshold or self.down:
             return None
         tokens = list(tokens[: num_pages * self.page_size])
         keys = page_keys(self.namespace, tokens, self.page_size, self.last_key(parent))
@@ -206,9 +215,11 @@ class StorageTier:
         try:
             hits = lookup.result(timeout=timeout)
         except FutureTimeout:
+            self._judge(False)
             self._miss("lookup timed out")
             return None
         except Exception as exc:
+            self._judge(False)
             self._miss(f"lookup failed: {exc}")
             return None
         if hits * self.page_size < self.prefetch_threshold:
@@ -223,12 +234,15 @@ class StorageTier:
             arrived = read.result(timeout=timeout)
         except FutureTimeout:
             self._orphans.append((read, slots))  # it still writes into them
+            self._judge(False)
             self._miss("read timed out")
             return None
         except Exception as exc:
             self.host_pool.free(slots)
+            self._judge(False)
             self._miss(f"read failed: {exc}")
             return None
+        self._judge(any(arrived))
         run = arrived.index(False) if False in arrived else len(arrived)
         keep = run * self.page_size
         if keep < slots.numel():
@@ -240,6 +254,30 @@ class StorageTier:
             return None
         self.counters["storage_prefetch_tokens_total"] += keep
         return tokens[:keep], slots[:keep]
+
+    @property
+    def down(self) -> bool:
+        """Whether the store is being left alone after failing (see BACKOFF_S)."""
+        return time.monotonic() < self._down_until
+
+    def _judge(self, worked: bool) -> None:
+        """Record how a store call went: a failure starts (or doubles) the backoff."""
+        if worked:
+            self._backoff_s = BACKOFF_S
+            return
+        if not self.down:
+            logger.warning(
+                "L3 %s store is failing or slow; not asking it for %.0f s (requests recompute)",
+                self.store.name,
+                self._backoff_s,
+            )
+        self._down_until = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
+
+    @property
+    def orphaned_tokens(self) -> int:
+        """Host slots held by reads that timed out and have not ended yet."""
+        return sum(int(slots.numel()) for _, slots in self._orphans)
 
     def _timeout(self, num_tokens: int) -> float | None:
         if self.prefetch_policy == "wait_complete":
