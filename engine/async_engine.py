@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine import platform
@@ -28,10 +29,45 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running."""
 
 
+class StreamStalledError(RuntimeError):
+    """The reader of a stream stopped taking outputs for too long; the request was ended."""
+
+
 @dataclass
 class _Stream:
+    """One request's way back to its caller.
+
+    NOTE: ``sent`` is written by the loop thread only and ``taken`` / ``last_read`` by the
+    reader only, so ``sent - taken`` (outputs queued) needs no lock. Past
+    ``max_queued_outputs`` the loop thread merges further outputs into ``pending``
+    instead of queueing them.
+    """
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    sent: int = 0
+    taken: int = 0
+    last_read: float = field(default_factory=time.monotonic)
+    pending: RequestOutput | None = None  # loop thread only
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Queue ``item`` for the reader (called on the loop thread)."""
+        self.sent += 1
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output carrying the deltas of ``first`` then ``later`` (``later``'s totals)."""
+    new_logprobs = None
+    if first.new_logprobs is not None or later.new_logprobs is not None:
+        new_logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
+    return dataclasses.replace(
+        later,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+        new_logprobs=new_logprobs,
+        first_token_time=first.first_token_time or later.first_token_time,
+    )
 
 
 class AsyncEngine:
@@ -52,6 +88,8 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Streams whose reader is behind: request id -> stream (loop thread only).
+        self._backlog: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self.join_timeout_s = 10.0
         self._close_lock = threading.Lock()
@@ -110,6 +148,8 @@ class AsyncEngine:
             platform.set_device(engine.device_spec)
             while not self._stopping:
                 self._drain_inbox()
+                if self._backlog:
+                    self._flush_backlog()
                 if not engine.has_work:
                     self._stats = engine.stats()
                     self._wake.wait(0.05)
@@ -140,16 +180,54 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        limit = self.config.max_queued_outputs
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+            if stream.pending is not None or stream.sent - stream.taken >= limit:
+                # The reader is behind: hold one merged delta instead of queueing more.
+                pending = stream.pending
+                stream.pending = out if pending is None else merge_outputs(pending, out)
+                self._backlog[out.request_id] = stream
+                continue
+            stream.sent += 1
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             # One hop per event loop per step, not one per token.
             loop.call_soon_threadsafe(_put_all, items)
+
+    def _flush_backlog(self) -> None:
+        """Hand held-back outputs to readers that caught up; end the requests of readers
+        that took nothing for ``stream_stall_timeout`` seconds (their KV is freed)."""
+        now = time.monotonic()
+        limit = self.config.max_queued_outputs
+        for request_id, stream in list(self._backlog.items()):
+            pending = stream.pending
+            if pending is None:
+                del self._backlog[request_id]
+            elif stream.sent - stream.taken < limit:
+                stream.pending = None
+                del self._backlog[request_id]
+                stream.put(pending)
+            elif now - stream.last_read > self.config.stream_stall_timeout:
+                stream.pending = None
+                del self._backlog[request_id]
+                self._streams.pop(request_id, None)
+                if self.engine.abort(request_id) is not None:
+                    logger.warning(
+                        "request %s ended: its reader took nothing for %.0f s",
+                        request_id,
+                        self.config.stream_stall_timeout,
+                    )
+                stream.put(
+                    StreamStalledError(
+                        f"the stream was not read for {self.config.stream_stall_timeout:.0f} s "
+                        "(--stream-stall-timeout); the request was ended"
+                    )
+                )
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self.is_alive():
@@ -196,6 +274,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                stream.taken += 1
+                stream.last_read = time.monotonic()
+                if stream.pending is not None:
+                    self._wake.set()  # the held-back output may go out now
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -211,8 +293,9 @@ class AsyncEngine:
         def do_abort() -> None:
             out = self.engine.abort(request_id)
             stream = self._streams.pop(request_id, None)
+            self._backlog.pop(request_id, None)
             if stream is not None and out is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                stream.put(out)
 
         if self.is_alive():
             self._submit(do_abort)

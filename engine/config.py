@@ -75,6 +75,15 @@ class SchedulerConfig(CacheConfig):
     # Context length; None: the model config's max_position_embeddings.
     max_model_len: int | None = None
     max_stop_strings: int = 16
+    # Most stop_token_ids per request (held as a set, validated once per request).
+    max_stop_token_ids: int = 256
+    # Most top logprobs per token a request may ask for (vLLM's max_logprobs).
+    max_logprobs: int = 20
+    # Outputs a stream may have queued for a reader that is not reading; past that they
+    # are merged into one pending delta, and a reader that stays away for
+    # stream_stall_timeout seconds has its request ended and its KV freed.
+    max_queued_outputs: int = 64
+    stream_stall_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,8 @@ class EngineConfig(SchedulerConfig):
             "max_prefill_tokens",
             "chunked_prefill_size",
             "max_waiting_requests",
+            "max_stop_token_ids",
+            "max_queued_outputs",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -121,6 +132,12 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(
                 f"kv_cache_tokens={self.kv_cache_tokens} is too small; "
                 f"it must hold at least two pages of page_size={self.page_size}"
+            )
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.stream_stall_timeout <= 0:
+            raise ValueError(
+                f"stream_stall_timeout must be > 0 seconds, got {self.stream_stall_timeout}"
             )
         if not 0.0 < self.kv_mem_fraction <= 1.0:
             raise ValueError(f"kv_mem_fraction must be in (0, 1], got {self.kv_mem_fraction}")

@@ -135,7 +135,12 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens but the KV pool holds only "
                 f"{self.kv.manager.capacity}; raise --kv-cache-tokens"
             )
-        params.validate(self.vocab_size, self.config.max_stop_strings)
+        params.validate(
+            self.vocab_size,
+            self.config.max_stop_strings,
+            self.config.max_stop_token_ids,
+            self.config.max_logprobs,
+        )
 
     def add_request(
         self,
@@ -182,6 +187,7 @@ class Engine:
             return outputs
         started = time.perf_counter()
         result = self.runner.run(batch)
+        self.scheduler.land_prefill(batch)
         if result is not None:
             outputs.extend(self._postprocess(batch, result.token_ids, result.logprobs))
         if not batch.is_decode:

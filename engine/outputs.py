@@ -19,6 +19,10 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
 
     While running, the tail of the text that could be the start of a stop string is held
     back, so a stream never shows part of a stop string.
+
+    NOTE: only the final snapshot carries the totals (``token_ids``, ``text``,
+    ``logprobs``); every other one carries just its deltas, so an update costs what it
+    adds, never a copy of everything generated so far.
     """
     text = req.text
     emit_upto = len(text)
@@ -36,8 +40,8 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
     return RequestOutput(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_ids,
-        token_ids=list(req.output_ids),
-        text=text[:emit_upto],
+        token_ids=list(req.output_ids) if finished else [],
+        text=text[:emit_upto] if finished else "",
         new_token_ids=new_ids,
         new_text=new_text,
         finished=finished,
@@ -46,7 +50,7 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
         cached_tokens_device=req.cached_device,
         cached_tokens_host=req.cached_host,
         cached_tokens_storage=req.cached_storage,
-        logprobs=list(req.logprobs) if want_logprobs else None,
+        logprobs=list(req.logprobs) if want_logprobs and finished else None,
         new_logprobs=new_logprobs,
         stop_reason=req.stop_reason,
         first_token_time=req.first_token_time,

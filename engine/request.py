@@ -31,7 +31,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    # A set: membership is checked once per generated token; one object shared by every
+    # choice of an n > 1 request (frozenset() of a frozenset is the same object).
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives per generated token; 0: chosen only
@@ -41,14 +43,21 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = frozenset(self.stop_token_ids or ())
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
-    def validate(self, vocab_size: int, max_stop_strings: int = 16) -> None:
-        """Raise ValueError naming the offending field."""
+    def validate(
+        self,
+        vocab_size: int,
+        max_stop_strings: int = 16,
+        max_stop_token_ids: int = 256,
+        max_logprobs: int = 20,
+    ) -> None:
+        """Raise ValueError naming the offending field; every check is cheap (the lengths
+        are bounded before anything walks a list)."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -71,15 +80,24 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if len(self.stop_token_ids) > max_stop_token_ids:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                f"{max_stop_token_ids} are allowed (--max-stop-token-ids)"
+            )
+        bad = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
         if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+            raise ValueError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise ValueError(
+                f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {self.logprobs}"
+            )
 
 
 @dataclass
@@ -93,12 +111,13 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """A snapshot of one request after an engine step: the delta and the totals so far."""
+    """What one engine step changed for a request: the deltas, plus (on the final output
+    only) the totals."""
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
-    text: str  # generated text so far (a matched stop string is cut off)
+    token_ids: list[int]  # final output: every generated token; otherwise empty
+    text: str  # final output: the generated text (a stop string cut off); otherwise ""
     new_token_ids: list[int]  # tokens added since the previous output
     new_text: str  # text added since the previous output (never a partial UTF-8 char)
     finished: bool
@@ -107,7 +126,7 @@ class RequestOutput:
     cached_tokens_device: int
     cached_tokens_host: int
     cached_tokens_storage: int = 0  # read from the L3 store, then loaded back
-    logprobs: list[TokenLogprob] | None = None  # all so far, when requested
+    logprobs: list[TokenLogprob] | None = None  # final output: all of them, when requested
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None  # matched stop string or stop token id
     first_token_time: float | None = None

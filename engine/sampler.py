@@ -44,9 +44,9 @@ def min_tokens_banned(
     """Token ids that may not be sampled yet because ``min_tokens`` is not reached."""
     if num_output >= params.min_tokens:
         return []
-    banned = set(params.stop_token_ids)
+    banned = params.stop_token_ids
     if not params.ignore_eos:
-        banned.update(eos_token_ids)
+        banned = banned.union(eos_token_ids)
     return sorted(banned)
 
 

@@ -17,6 +17,24 @@ from engine.request import Req, ReqStatus
 LPM_MAX_WAITING = 128
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix; slices compare at C speed, so a binary search
+    over slice equality beats a Python loop over long prompts."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 1, n - 1  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-waiting-requests; the caller should retry later."""
 
@@ -96,6 +114,35 @@ class Scheduler:
             total += int(left * self.new_token_ratio)
         return total
 
+    def _unlanded(self, req: Req) -> int:
+        """Prompt tokens of a running request that are not in the tree yet (0 when its
+        prefill has landed or the tree is off)."""
+        if not self.kv.tree.enabled:
+            return 0
+        return max(0, len(req.prompt_ids) - req.prefix_len)
+
+    def _should_wait(self, req: Req, cached_len: int, in_flight: list[Req]) -> bool:
+        """Whether ``req`` would prefill tokens that an in-flight prefill is computing now.
+
+        NOTE: this never deadlocks: the requests waited for are running (they hold their KV
+        and make progress every prefill step); once they land, finish, are retracted or
+        aborted they leave ``in_flight`` and the waiter is admitted as usual.
+        """
+        key = req.all_ids[: req.seq_len - 1]  # what admission matches against the tree
+        # Waiting pays once it saves a whole page (the tree caches whole pages only).
+        for other in in_flight:
+            if common_prefix_len(key, other.prompt_ids) - cached_len >= self.kv.page_size:
+                return True
+        return False
+
+    def land_prefill(self, batch: ScheduledBatch) -> None:
+        """After a prefill batch ran: put each request's computed pages in the tree."""
+        if batch.is_decode or not self.kv.tree.enabled:
+            return
+        for req in batch.reqs:
+            if req.status == ReqStatus.RUNNING:
+                self.kv.cache_prefix(req)
+
     def _ordered_waiting(self) -> list[Req]:
         # lpm matches every waiting prompt against the tree each step: past
         # LPM_MAX_WAITING requests that costs more than it gains, so order them fcfs.
@@ -154,12 +201,16 @@ class Scheduler:
             take(req, n)
 
         available = self.kv.available_tokens() - self._reserved_tokens()
+        # Prefills whose prompt pages are not in the tree yet (this batch's included).
+        in_flight = [r for r in self.running if self._unlanded(r) > 0]
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self.kv.req_table.free_rows == 0:
                 break
             match = self.kv.match(req)
+            if in_flight and self._should_wait(req, match.device_len, in_flight):
+                continue  # reuse that prefill once it lands; others are not held back
             pending = req.seq_len - match.device_len
             n = min(pending, chunk_cap, budget)
             # KV for this chunk, plus a reserve for the rest of the prompt and its output.
@@ -185,6 +236,8 @@ class Scheduler:
                 break
             req.status = ReqStatus.RUNNING
             self.running.append(req)
+            if self._unlanded(req) > 0:
+                in_flight.append(req)
             available -= need
         if not reqs:
             return None

@@ -23,9 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.config import EngineConfig
 from server.args import ServerArgs
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
-from server.errors import APIError, error_response, install_error_handlers
+from server.errors import APIError, error_response, install_error_handlers, new_error_id
+from server.log_safety import exposure_warning, install_redaction
 from server.metrics import ServerMetrics
-from server.middleware import GuardMiddleware
+from server.middleware import GuardMiddleware, bearer_matches
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.serve_chat import serve_chat
 from server.serve_completions import serve_completion
@@ -49,7 +50,8 @@ class ServerState:
         self.args = args
         self.engine: Any = None
         self.client: EngineClient | None = None
-        self.load_error: str | None = None
+        self.load_error: str | None = None  # logged, never sent to clients
+        self.load_error_id = new_error_id()
         self.closing = False
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: self.engine)
@@ -57,7 +59,12 @@ class ServerState:
 
     def require_client(self) -> EngineClient:
         if self.load_error is not None:
-            raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+            raise APIError(
+                503,
+                f"the model failed to load (error id {self.load_error_id}); "
+                "the details are in the server log under this id",
+                code="load_failed",
+            )
         if self.client is None:
             raise APIError(
                 503,
@@ -97,12 +104,16 @@ def create_app(
 
         def ready(engine: Any) -> None:
             state.engine = engine
-            state.client = EngineClient(engine)
+            state.client = EngineClient(
+                engine,
+                max_choices=args.max_choices,
+                trust_special_tokens=args.trust_message_special_tokens,
+            )
             print(summary_line(args, engine.health()), flush=True)
 
         def failed(exc: BaseException) -> None:
             state.load_error = f"{type(exc).__name__}: {exc}"
-            logger.error("cannot start the engine: %s", state.load_error)
+            logger.error("cannot start the engine [%s]: %s", state.load_error_id, state.load_error)
             if on_fatal is not None:
                 on_fatal(exc)
 
@@ -130,11 +141,30 @@ def create_app(
         if state.client is not None:
             state.client.close()
 
-    # strict_content_type=False: a JSON body without a Content-Type header is still JSON.
-    app = FastAPI(title="hiserve", version="0.1.0", lifespan=lifespan, strict_content_type=False)
+    # The JSON content type is enforced (415) by GuardMiddleware, before parsing. The docs
+    # routes load scripts from a CDN and describe every route: off unless asked for.
+    docs = args.enable_docs
+    app = FastAPI(
+        title="hiserve",
+        version="0.1.0",
+        lifespan=lifespan,
+        strict_content_type=False,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.hiserve = state
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    install_redaction()
+    warning = exposure_warning(args.host, args.api_key)
+    if warning is not None:
+        logger.warning(warning)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        allowed_hosts=args.allowed_hosts,
+    )
     _add_routes(app, state)
     return app
 
@@ -145,8 +175,10 @@ def _disconnected() -> Response:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
+    api_key = state.args.api_key.encode("utf-8") if state.args.api_key else None
+
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         if state.client is None or not state.engine.is_alive():
             status = "failed" if state.load_error else "loading" if state.client is None else "dead"
             response = error_response(
@@ -157,6 +189,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 headers={"Retry-After": str(RETRY_AFTER_LOADING)},
             )
             return response
+        # A probe needs only the status; the details (model path, device, pools) are for
+        # callers holding the key (all callers when the server has none).
+        authorization = request.headers.get("authorization")
+        if api_key is not None and not bearer_matches(
+            authorization.encode("latin-1") if authorization else None, api_key
+        ):
+            return JSONResponse({"status": "ok"})
         info = await asyncio.to_thread(state.engine.health)
         return JSONResponse({"status": "ok", **info})
 

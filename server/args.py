@@ -140,6 +140,22 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("schedule-policy", "order of admission", "schedule_policy", choices=SCHEDULE_POLICIES),
     FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
     FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
+    FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),
+    FlagSpec(
+        "max-logprobs",
+        "most logprobs / top_logprobs a request may ask for (vLLM's max_logprobs)",
+        "max_logprobs",
+    ),
+    FlagSpec(
+        "max-queued-outputs",
+        "outputs queued per stream for a slow reader before they are merged",
+        "max_queued_outputs",
+    ),
+    FlagSpec(
+        "stream-stall-timeout",
+        "seconds a stream's reader may take nothing before its request is ended",
+        "stream_stall_timeout",
+    ),
     # server-only
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),
@@ -162,6 +178,31 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         kind="float",
         default=30.0,
     ),
+    FlagSpec(
+        "max-choices",
+        "most choices (prompts x n) per request",
+        kind="int",
+        default=256,
+    ),
+    FlagSpec(
+        "allowed-hosts",
+        "comma-separated Host header values accepted (DNS-rebinding guard); empty: any",
+        kind="str",
+        optional=True,
+    ),
+    FlagSpec(
+        "enable-docs",
+        "serve /docs, /redoc and /openapi.json",
+        kind="bool",
+        default=False,
+    ),
+    FlagSpec(
+        "trust-message-special-tokens",
+        "tokenize special-token strings inside chat message content as control tokens "
+        "(only for trusted callers: lets them forge system and assistant turns)",
+        kind="bool",
+        default=False,
+    ),
 )
 
 
@@ -176,6 +217,10 @@ class ServerArgs:
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_grace: float = 30.0
+    max_choices: int = 256
+    allowed_hosts: tuple[str, ...] = ()  # empty: any Host header
+    enable_docs: bool = False
+    trust_message_special_tokens: bool = False
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -187,6 +232,10 @@ class ServerArgs:
             api_key="set" if self.api_key else "none",
             max_body_bytes=self.max_body_bytes,
             shutdown_grace=self.shutdown_grace,
+            max_choices=self.max_choices,
+            allowed_hosts=",".join(self.allowed_hosts) or "any",
+            enable_docs=self.enable_docs,
+            trust_message_special_tokens=self.trust_message_special_tokens,
         )
         return out
 
@@ -314,6 +363,8 @@ def parse_args(
         _fail(parser, f"--max-body-bytes must be >= 1024, got {values['max_body_bytes']}")
     if values["shutdown_grace"] < 0:
         _fail(parser, f"--shutdown-grace must be >= 0, got {values['shutdown_grace']}")
+    if values["max_choices"] < 1:
+        _fail(parser, f"--max-choices must be >= 1, got {values['max_choices']}")
     return ServerArgs(
         engine=engine,
         host=values["host"],
@@ -322,4 +373,15 @@ def parse_args(
         log_level=values["log_level"],
         max_body_bytes=values["max_body_bytes"],
         shutdown_grace=values["shutdown_grace"],
+        max_choices=values["max_choices"],
+        allowed_hosts=parse_hosts(values["allowed_hosts"]),
+        enable_docs=bool(values["enable_docs"]),
+        trust_message_special_tokens=bool(values["trust_message_special_tokens"]),
     )
+
+
+def parse_hosts(text: str | None) -> tuple[str, ...]:
+    """``"a.example, 127.0.0.1"`` -> ``("a.example", "127.0.0.1")``, lower-cased."""
+    if not text:
+        return ()
+    return tuple(h.strip().lower() for h in text.split(",") if h.strip())

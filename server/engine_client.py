@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.async_engine import EngineDeadError, EngineOverloadedError, StreamStalledError
 from engine.request import RequestOutput, SamplingParams
-from server.errors import APIError
+from server.chat_tokens import ChatPromptEncoder
+from server.errors import APIError, internal_error
 
 T = TypeVar("T")
 
+# Texts longer than this (characters) are tokenized by the bulk worker.
+BULK_TEXT_CHARS = 32 * 1024
+# Outputs per member that the merged stream of an n > 1 request may hold unread.
+MERGE_QUEUE_PER_MEMBER = 4
 # Retry-After (seconds) sent with 503s.
 RETRY_AFTER_OVERLOADED = 1
 RETRY_AFTER_DEAD = 5
@@ -67,12 +73,11 @@ def translate_engine_error(exc: BaseException, prompt_param: str = "prompt") -> 
             headers={"Retry-After": str(RETRY_AFTER_OVERLOADED)},
         )
     if isinstance(exc, EngineDeadError):
-        return APIError(
-            503,
-            f"the engine is not running: {exc}",
-            code="engine_dead",
-            headers={"Retry-After": str(RETRY_AFTER_DEAD)},
-        )
+        api = internal_error("the engine is not running", exc, status=503, code="engine_dead")
+        api.headers = {"Retry-After": str(RETRY_AFTER_DEAD)}
+        return api
+    if isinstance(exc, StreamStalledError):
+        return APIError(408, str(exc), code="stream_stalled")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), param=param_of(str(exc), prompt_param))
     return None
@@ -85,10 +90,19 @@ class EngineClient:
     to reconfigure concurrently, and one thread keeps the event loop free either way.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(
+        self, engine: Any, max_choices: int = 256, trust_special_tokens: bool = False
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.max_choices = max_choices
+        self.chat_encoder = ChatPromptEncoder(self.tokenizer, trust_special_tokens)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hiserve-tok")
+        # Texts past BULK_TEXT_CHARS are tokenized by a second worker with its own copy of
+        # the tokenizer, so one huge prompt never queues small requests behind it.
+        self._bulk_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hiserve-bulk")
+        self._bulk_encoder: ChatPromptEncoder | None = None
+        self.max_prompt_bytes = prompt_byte_bound(self.tokenizer, self.max_model_len)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -112,13 +126,54 @@ class EngineClient:
     def vocab_size(self) -> int:
         return int(self.engine.vocab_size)
 
+    @property
+    def max_stop_token_ids(self) -> int:
+        return int(getattr(self.engine.config, "max_stop_token_ids", 256))
+
     # ---------------------------------------------------------------- tokenizer
     async def _in_worker(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+    async def _in_bulk_worker(self, fn: Callable[[ChatPromptEncoder], T]) -> T:
+        def work() -> T:
+            if self._bulk_encoder is None:
+                tokenizer = copy.deepcopy(self.tokenizer)
+                self._bulk_encoder = ChatPromptEncoder(
+                    tokenizer, self.chat_encoder.trust_special_tokens
+                )
+            return fn(self._bulk_encoder)
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._bulk_executor, work)
+
+    def check_text_size(self, texts: Sequence[str], param: str) -> None:
+        """Reject text that cannot fit the context, before it is tokenized: no token is
+        longer than the vocabulary's longest, so past ``max_prompt_bytes`` the text needs
+        more tokens than the context holds."""
+        if self.max_prompt_bytes is None:
+            return
+        size = 0
+        for text in texts:
+            # len() first: a string longer in characters than the bound is too long in bytes.
+            size += len(text) if len(text) > self.max_prompt_bytes else len(text.encode())
+            if size > self.max_prompt_bytes:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.max_model_len} tokens; "
+                    f"the {param} text is over {self.max_prompt_bytes} bytes, more than that "
+                    "many tokens can hold. Shorten it.",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+
     async def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, as ``Engine`` tokenizes a string prompt."""
+
+        if sum(len(t) for t in texts) > BULK_TEXT_CHARS:
+            return await self._in_bulk_worker(
+                lambda enc: [list(enc.tokenizer.encode(t)) for t in texts]
+            )
 
         def work() -> list[list[int]]:
             return [list(self.tokenizer.encode(t)) for t in texts]
@@ -134,29 +189,34 @@ class EngineClient:
         add_generation_prompt: bool,
         continue_final_message: bool,
     ) -> list[int]:
-        """Apply the model's chat template and tokenize the result."""
+        """Apply the model's chat template and tokenize the result; message content is
+        text (see ``ChatPromptEncoder``) unless --trust-message-special-tokens is set."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(
+                400, "this model has no chat template; use /v1/completions", param="messages"
+            )
+        self.check_text_size([m.get("content", "") for m in messages], "messages")
+        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
 
-        def work() -> list[int]:
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise APIError(
-                    400, "this model has no chat template; use /v1/completions", param="messages"
-                )
-            kwargs: dict[str, Any] = {
-                "tokenize": False,
-                "add_generation_prompt": add_generation_prompt,
-            }
-            if continue_final_message:
-                kwargs["continue_final_message"] = True
+        def work(encoder: ChatPromptEncoder) -> list[int]:
             try:
-                text = self.tokenizer.apply_chat_template(messages, **kwargs)
+                return encoder.encode(messages, **kwargs)
             except Exception as exc:  # template errors are the request's fault
-                raise APIError(
-                    400, f"cannot apply the chat template: {exc}", param="messages"
+                # NOTE: template engine text stays in the log; the client gets an id.
+                raise internal_error(
+                    "the chat template could not be applied to these messages",
+                    exc,
+                    status=400,
+                    param="messages",
+                    advice="check the roles and their order; the details are in the "
+                    "server log under this id",
                 ) from exc
-            # NOTE: the template already carries BOS and friends; do not add them twice.
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-        return await self._in_worker(work)
+        if sum(len(m.get("content", "")) for m in messages) > BULK_TEXT_CHARS:
+            return await self._in_bulk_worker(work)
+        return await self._in_worker(lambda: work(self.chat_encoder))
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one client per app, lives as long
     def token_text(self, token_id: int) -> str:
@@ -205,19 +265,25 @@ class EngineClient:
             finally:
                 await gens[0].aclose()
             return
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        # NOTE: bounded, so a reader that stops reading stops the pumps too; the engine
+        # then holds back (and past --stream-stall-timeout ends) each member's stream.
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(
+            maxsize=MERGE_QUEUE_PER_MEMBER * len(gens)
+        )
         done = object()
 
         async def pump(index: int, gen: AsyncIterator[RequestOutput]) -> None:
+            # NOTE: nothing is put in the queue on cancellation: it may be full, and the
+            # reader that cancels us is gone.
             try:
                 async for out in gen:
-                    queue.put_nowait((index, out))
+                    await queue.put((index, out))
+                await queue.put((index, done))
             except Exception as exc:
-                queue.put_nowait((index, exc))
+                await queue.put((index, exc))
             finally:
                 with contextlib.suppress(Exception):
                     await gen.aclose()  # type: ignore[attr-defined]
-                queue.put_nowait((index, done))
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
         try:
@@ -237,3 +303,21 @@ class EngineClient:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._bulk_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def prompt_byte_bound(tokenizer: Any, max_model_len: int) -> int | None:
+    """Most UTF-8 bytes a prompt that fits the context can have; None if unknown.
+
+    Every token stands for at most as many bytes as the longest vocabulary entry (counted
+    as the UTF-8 of its vocabulary string, which for byte-level BPE over-counts), so a
+    text longer than ``max_model_len`` times that needs more tokens than fit.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    vocab = get_vocab()
+    if not vocab:
+        return None
+    longest = max(len(str(token).encode("utf-8")) for token in vocab)
+    return max_model_len * longest

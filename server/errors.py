@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,9 @@ _TYPE_BY_STATUS = {
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -48,6 +51,32 @@ class APIError(Exception):
         self.code = code
         self.err_type = err_type or _TYPE_BY_STATUS.get(status, "server_error")
         self.headers = headers
+
+
+def new_error_id() -> str:
+    return f"err-{uuid.uuid4().hex[:12]}"
+
+
+def internal_error(
+    public: str,
+    exc: BaseException | None = None,
+    *,
+    status: int = 500,
+    param: str | None = None,
+    code: str | None = None,
+    advice: str = "the details are in the server log under this id",
+) -> APIError:
+    """An error whose cause must not reach the client (exception or template engine text):
+    the client gets ``public`` and an id; the detail is logged under that id."""
+    error_id = new_error_id()
+    logger.error("%s [%s]", public, error_id, exc_info=exc)
+    return APIError(
+        status,
+        f"{public} (error id {error_id}); {advice}",
+        param=param,
+        code=code or ("internal_error" if status >= 500 else "invalid_request"),
+        err_type=None if status < 500 else "server_error",
+    )
 
 
 def error_response(
@@ -141,7 +170,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error on %s %s", request.method, request.url.path)
-        return error_response(
-            500, f"internal server error: {type(exc).__name__}", err_type="server_error"
-        )
+        api = internal_error(f"internal server error on {request.method} {request.url.path}", exc)
+        return error_response(500, api.message, code=api.code, err_type="server_error")

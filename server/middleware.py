@@ -1,4 +1,4 @@
-"""ASGI middleware: API-key check and request body size limit, before any parsing."""
+"""ASGI middleware, before any parsing: Host allow-list, API key, body size, JSON type."""
 
 from __future__ import annotations
 
@@ -18,6 +18,50 @@ def needs_key(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS
 
 
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
+    for name, value in scope.get("headers", []):
+        if name.lower() == wanted:
+            return bytes(value)
+    return None
+
+
+def bearer_matches(authorization: bytes | None, api_key: bytes) -> bool:
+    """Whether an ``Authorization`` header carries ``api_key`` as a bearer token."""
+    scheme, _, token = (authorization or b"").partition(b" ")
+    # Constant-time compare: the time taken does not leak how much of the key matched.
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key)
+
+
+def host_name(host_header: str) -> str:
+    """``"Example.com:8000"`` -> ``"example.com"``; ``"[::1]:8000"`` -> ``"[::1]"``."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def host_allowed(host_header: str | None, allowed: tuple[str, ...]) -> bool:
+    """``allowed`` entries are host names (no port) or ``*.suffix`` wildcards."""
+    if not allowed:
+        return True
+    if not host_header:
+        return False
+    host = host_name(host_header)
+    for entry in allowed:
+        if entry == "*" or host == entry:
+            return True
+        if entry.startswith("*.") and host.endswith(entry[1:]):
+            return True
+    return False
+
+
+def is_json_type(content_type: bytes | None) -> bool:
+    if content_type is None:
+        return False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json"
+
+
 class GuardMiddleware:
     """401 without the right bearer key on protected routes; 413 past ``max_body_bytes``.
 
@@ -26,27 +70,39 @@ class GuardMiddleware:
     ``http.disconnect`` when the client goes away.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        allowed_hosts: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts = allowed_hosts
 
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None or not needs_key(scope.get("path", "")):
             return True
-        header = b""
-        for name, value in scope.get("headers", []):
-            if name.lower() == b"authorization":
-                header = value
-                break
-        scheme, _, token = header.partition(b" ")
-        # Constant-time compare: the time taken does not leak how much of the key matched.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return bearer_matches(_header(scope, b"authorization"), self.api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # /health stays reachable under any Host: probes address pods by IP, and what it
+        # shows without the key is only whether the server is up.
+        if scope.get("path") != "/health":
+            host = _header(scope, b"host")
+            if not host_allowed(host.decode("latin-1") if host else None, self.allowed_hosts):
+                response = error_response(
+                    400,
+                    "this server does not answer for that Host header (--allowed-hosts)",
+                    code="invalid_host",
+                )
+                await response(scope, receive, send)
+                return
         if not self._authorized(scope):
             response = error_response(
                 401,
@@ -81,6 +137,16 @@ class GuardMiddleware:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
+        if size and not is_json_type(_header(scope, b"content-type")):
+            # NOTE: a cross-site form or fetch() may send text/plain without a preflight;
+            # requiring the JSON type forces the preflight that browsers never pass here.
+            response = error_response(
+                415,
+                "the request body must be JSON sent with Content-Type: application/json",
+                code="unsupported_media_type",
+            )
+            await response(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -94,13 +160,13 @@ class GuardMiddleware:
 
     @staticmethod
     def _content_length(scope: Scope) -> int | None:
-        for name, value in scope.get("headers", []):
-            if name.lower() == b"content-length":
-                try:
-                    return int(value)
-                except ValueError:
-                    return None
-        return None
+        value = _header(scope, b"content-length")
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            return None
 
     @staticmethod
     async def _drain(receive: Receive, budget: int) -> None:

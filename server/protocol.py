@@ -14,7 +14,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 MAX_N = 128
-MAX_LOGPROBS = 20
 SEED_MAX = 2**63 - 1
 
 
@@ -63,7 +62,8 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # The upper bound is --max-logprobs, checked with the engine's other limits.
+    logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
@@ -85,7 +85,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)  # <= --max-logprobs
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None

@@ -73,7 +73,6 @@ async def serve_completion(
     req: CompletionRequest, request: Request, client: EngineClient, metrics: ServerMetrics
 ) -> Response:
     start = time.perf_counter()
-    check_request(req, client)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of > (req.n or 1):
@@ -95,8 +94,11 @@ async def serve_completion(
         items = list(prompt)  # type: ignore[assignment]
     if any(isinstance(p, list) and not p for p in items):
         raise APIError(400, "prompt must not contain an empty token list", param="prompt")
+    check_request(req, client, num_prompts=len(items))
 
     texts = [p for p in items if isinstance(p, str)]
+    for text in texts:
+        client.check_text_size([text], "prompt")
     encoded = iter(await client.encode_many(texts)) if texts else iter(())
     prompt_ids = [next(encoded) if isinstance(p, str) else p for p in items]
     echo_texts: list[str] = []

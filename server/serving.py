@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from fastapi import Request
 
 from engine.request import RequestOutput, SamplingParams
 from server.engine_client import EngineClient, translate_engine_error
-from server.errors import APIError, error_json
+from server.errors import APIError, error_json, internal_error
 from server.metrics import RequestTimer, ServerMetrics
 from server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
 from server.sse import sse_event
@@ -27,8 +28,27 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 
 
-def check_request(req: _SamplingRequest, client: EngineClient) -> None:
-    """Model name and fields we parse but cannot honour."""
+def check_request(req: _SamplingRequest, client: EngineClient, num_prompts: int = 1) -> None:
+    """Model name, fields we parse but cannot honour, and the per-request caps; all of it
+    before any per-prompt or per-choice work."""
+    choices = num_prompts * (req.n or 1)
+    if choices > client.max_choices:
+        raise APIError(
+            400,
+            f"this request asks for {choices} choices ({num_prompts} prompt(s) x n={req.n or 1}); "
+            f"at most {client.max_choices} are allowed per request (--max-choices). "
+            "Split it into several requests.",
+            param="n",
+            code="too_many_choices",
+        )
+    stop_ids = req.stop_token_ids or []
+    if len(stop_ids) > client.max_stop_token_ids:
+        raise APIError(
+            400,
+            f"stop_token_ids has {len(stop_ids)} ids; at most {client.max_stop_token_ids} "
+            "are allowed (--max-stop-token-ids)",
+            param="stop_token_ids",
+        )
     if req.model is not None and req.model not in client.model_aliases:
         raise APIError(
             404,
@@ -52,6 +72,7 @@ def sampling_params(
     logprobs: int | None,
     seed: int | None,
     vocab_size: int,
+    stop_token_ids: frozenset[int] = frozenset(),
 ) -> SamplingParams:
     """Map request fields onto SamplingParams; None always means the default."""
     top_k = (
@@ -69,7 +90,7 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
+        stop_token_ids=stop_token_ids,
         ignore_eos=bool(req.ignore_eos),
         min_tokens=req.min_tokens or 0,
         logprobs=logprobs,
@@ -106,20 +127,29 @@ def make_plan(
     logprobs: int | None,
     prompt_param: str,
 ) -> Plan:
-    """Validate every choice up front, so a bad field fails before anything is queued."""
+    """Validate once per prompt up front, so a bad field fails before anything is queued.
+
+    The samples of one prompt differ only in their seed: they share one validated
+    SamplingParams (and its stop-id set) rather than each building and checking a copy.
+    """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
-    for k in range(plan.num_choices):
-        prompt = plan.prompt_of(k)
-        seed = None if req.seed is None else (req.seed + k % plan.n) % SEED_MOD
-        params = sampling_params(
+    stop_token_ids = frozenset(req.stop_token_ids or ())
+    for prompt in prompts:
+        base = sampling_params(
             req,
             max_tokens=max_tokens(prompt),
             logprobs=logprobs,
-            seed=seed,
+            seed=None,
             vocab_size=client.vocab_size,
+            stop_token_ids=stop_token_ids,
         )
-        client.validate(prompt, params, prompt_param)
-        plan.params.append(params)
+        client.validate(prompt, base, prompt_param)
+        for sample in range(plan.n):
+            if req.seed is None:
+                plan.params.append(base)
+            else:
+                seed = (req.seed + sample) % SEED_MOD
+                plan.params.append(dataclasses.replace(base, seed=seed))
     return plan
 
 
@@ -180,10 +210,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 def engine_error(exc: BaseException, prompt_param: str) -> APIError:
     api = translate_engine_error(exc, prompt_param)
     if api is None:
-        logger.error("engine failed a request", exc_info=exc)
-        return APIError(
-            500, f"internal error: {type(exc).__name__}: {exc}", err_type="server_error"
-        )
+        return internal_error("the engine failed this request", exc)
     return api
 
 

@@ -125,6 +125,34 @@ class KVCacheManager:
         req.kv_len = start + num_tokens
         return slots
 
+    # ------------------------------------------------------------------ landing
+    def cache_prefix(self, req: Req) -> None:
+        """Hand the computed whole pages of a still-running ``req`` to the tree, so other
+        requests with the same prefix (the copies of an n > 1 request) reuse them now.
+
+        NOTE: afterwards ``[0, prefix_len)`` is again exactly the locked tree path and the
+        request owns only its last partial page; where the tree already held a page, the
+        request's duplicate is freed and its table row points at the tree's slots.
+        """
+        if not self.tree.enabled or req.row < 0:
+            return
+        kv_len = req.kv_len
+        aligned = kv_len - (kv_len - req.prefix_len) % self.page_size
+        if aligned <= req.prefix_len:
+            return
+        key = req.all_ids[:aligned]
+        slots = self.req_table.read(req.row, 0, aligned)
+        already = self.tree.insert(key, slots)
+        if already > req.prefix_len:
+            self.allocator.free(slots[req.prefix_len : already])
+        match = self.tree.match_prefix(key, touch=False)
+        assert match.device_len == aligned, "a just-inserted prefix must match in full"
+        self.tree.lock(match.device_node)
+        self.tree.unlock(req.last_node)
+        req.last_node = match.device_node
+        self.req_table.write(req.row, 0, match.device_slots)
+        req.prefix_len = aligned
+
     # ------------------------------------------------------------------ release
     def release(self, req: Req) -> None:
         """Hand a leaving request's KV to the tree (or free it) and unlock its prefix."""

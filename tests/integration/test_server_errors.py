@@ -105,7 +105,7 @@ def test_route_and_auth_errors(http: httpx.Client, server: Any) -> None:
         content=b'{"prompt": "x"}',
         headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
-    assert "Content-Type: application/json" in _check_error_body(form, 400, None)["message"]
+    assert "Content-Type: application/json" in _check_error_body(form, 415, None)["message"]
     _check_error_body(
         http.post(
             CMPL,

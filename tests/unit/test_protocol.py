@@ -47,7 +47,6 @@ def test_completion_prompt_shapes(prompt: object) -> None:
         ({"prompt": [1.5]}, "prompt"),
         ({"prompt": [True]}, "prompt"),
         ({"prompt": "x", "n": 0}, "n"),
-        ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "temperature": math.nan}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
