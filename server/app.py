@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from server.args import ServerArgs
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
 from server.errors import APIError, error_response, install_error_handlers
+from server.fleet_info import add_fleet_routes
 from server.metrics import ServerMetrics
 from server.middleware import GuardMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -136,6 +137,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     _add_routes(app, state)
+    add_fleet_routes(app, state)
     return app
 
 
