@@ -91,7 +91,7 @@ class Process:
                 args,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=_child_env(),
                 start_new_session=True,  # a Ctrl-C in the terminal goes to the bench only
             )
 
@@ -121,6 +121,17 @@ class Process:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # `python -m server` from a source checkout that is not installed
+    repo_root = Path(__file__).resolve().parent.parent
+    if (repo_root / "server").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p
+        )
+    return env
 
 
 def _get(url: str, api_key: str, timeout: float = 2.0) -> httpx.Response | None:

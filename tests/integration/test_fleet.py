@@ -9,6 +9,7 @@ replica's own answers and counters, and the router's own view of its workers.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import threading
@@ -393,3 +394,32 @@ def test_fleet_listens_on_loopback_only(fleet: LocalFleet) -> None:
         assert all(a.startswith("127.0.0.1:") for a in addresses), (process.name, addresses)
     # the router's own port and its metrics port, nothing else
     assert len(_listening_addresses(fleet.router.proc.pid)) == 2  # type: ignore[union-attr]
+
+
+def _finished(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    for line in text.splitlines():
+        if line.startswith("hiserve:requests_finished_total "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no hiserve:requests_finished_total at {url}")
+
+
+def test_bench_text_mode_through_the_router(fleet: LocalFleet, tmp_path: Path) -> None:
+    from bench.__main__ import main as bench_main
+
+    before = {w.url: _finished(w.url) for w in fleet.workers}
+    out = tmp_path / "bench.json"
+    status = bench_main(
+        ["run", "--base-url", fleet.url, "--api-key", fleet.api_key, "--prompt-mode", "text",
+         "--workload", "multiturn", "--num-clients", "3", "--num-rounds", "2",
+         "--user-turn-len", "24", "--assistant-turn-len", "8", "--output-len", "2",
+         "--seed", "11", "--json", str(out), "--no-progress"]
+    )  # fmt: skip
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert report["completed"] == 6 and report["cached_tokens_reported"]
+    # the router's worker header, counted by the bench, agrees with each replica's own count
+    served = {url: int(_finished(url) - before[url]) for url in before}
+    assert report["workers"] == {url: n for url, n in served.items() if n}
+    # cache_aware: every second round lands where its first round left the prefix
+    assert report["cache_hit_rate"] >= 0.9 * report["ideal_hit_rate"]
