@@ -11,6 +11,8 @@ Exit status: 0 when every request succeeded, 1 when any failed or a run stopped 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import secrets
 import signal
@@ -155,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--replicas", type=int, default=2, help="servers behind the router of a fleet target"
     )
+    launch.add_argument(
+        "--router-arg",
+        dest="router_args",
+        action="append",
+        default=[],
+        help="extra smg flag for fleet targets (repeat; --router-arg=--cache-threshold=0.5)",
+    )
     _add_common(compare)
     return parser
 
@@ -180,6 +189,24 @@ def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
         num_prompts=args.num_prompts,
         input_len=args.input_len,
     )
+
+
+def check_router_args(router_args: Sequence[str]) -> None:
+    """Refuse flags the router would refuse, before any server is launched."""
+    if not router_args:
+        return
+    try:
+        from smg.launch_router import parse_router_args
+    except ImportError as exc:
+        raise ValueError("fleet targets need the router: pip install 'hiserve[fleet]'") from exc
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as errors:
+            parse_router_args(list(router_args))
+    except SystemExit:
+        last = errors.getvalue().strip().splitlines()[-1:]
+        raise ValueError(
+            f"--router-arg: smg refuses {list(router_args)}: {' '.join(last)}"
+        ) from None
 
 
 def _error(message: str) -> None:
@@ -262,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError("fleet targets need --prompt-mode text (smg refuses token ids)")
             if args.replicas < 1:
                 raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+            check_router_args(args.router_args)
             # the router and its replicas share one key; the client must send it
             args.api_key = args.api_key or "bench-" + secrets.token_hex(8)
         if args.command == "run":
@@ -299,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra_args=tuple(args.server_args),
                 startup_timeout=args.startup_timeout,
                 replicas=args.replicas,
+                router_args=tuple(args.router_args),
             )
             run_compare(
                 targets,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.fleet import ROUTER_POLICIES, FleetError, LocalFleet
+from bench.fleet import FAST_ROUTER_FLAGS, ROUTER_POLICIES, FleetError, LocalFleet
 from bench.runner import RunState
 
 # Server flags of each built-in configuration, added to the shared launch flags.
@@ -83,6 +83,7 @@ class LaunchOptions:
     extra_args: tuple[str, ...] = ()
     startup_timeout: float = 300.0
     replicas: int = 2  # per fleet target
+    router_args: tuple[str, ...] = ()  # extra smg flags of fleet targets
 
 
 def server_flags(config: str, options: LaunchOptions) -> list[str]:
@@ -282,6 +283,7 @@ def _run_fleet(
             server_args=tuple(server_flags(target.config, launch)),
             api_key=launch.api_key,
             ready_timeout=launch.startup_timeout,
+            router_args=(*FAST_ROUTER_FLAGS, *launch.router_args),
         )
         try:
             with fleet:

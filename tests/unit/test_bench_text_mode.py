@@ -141,3 +141,12 @@ def test_client_sends_the_text() -> None:
         assert client._payload(token_request.requests[0])["prompt"] == text_request.prompt
     finally:
         asyncio.run(client.aclose())
+
+
+def test_router_args_are_checked_by_smg_before_launching(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["compare", "--target", "fleet:cache_aware", "--prompt-mode", "text"]
+    assert main([*argv, "--router-arg=--cache-treshold=0.5"]) == EXIT_USAGE
+    error = capsys.readouterr().err
+    assert "--cache-treshold" in error and "smg refuses" in error
