@@ -224,3 +224,25 @@ def test_router_may_only_read_pods(rendered: tuple[str, dict[tuple[str, str], An
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "hiserve-router", "namespace": "hiserve"}
     ]
+
+
+def test_kubernetes_and_compose_routers_are_tuned_alike(
+    rendered: tuple[str, dict[tuple[str, str], Any]],
+) -> None:
+    """One set of tuned routing values, shipped as the default of both deployments."""
+    from tests.container.test_compose import parse_router, resolve, router_argv
+
+    _, docs = rendered
+    compose = resolve(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
+    ours, theirs = router_args(docs), parse_router(router_argv(compose["fleet-router"], "k"))
+    for name in (
+        "policy",
+        "cache_threshold",
+        "balance_abs_threshold",
+        "balance_rel_threshold",
+        "disable_retries",
+        "health_check_interval_secs",
+        "health_failure_threshold",
+        "load_monitor_interval",
+    ):
+        assert getattr(ours, name) == getattr(theirs, name), name
