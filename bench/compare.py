@@ -3,8 +3,9 @@
 A target is a URL (``http://host:port`` or ``label=http://...``) or the name of a server
 configuration this tool launches on 127.0.0.1 itself, one at a time so they never share
 the CPU: ``none`` (no prefix cache), ``radix`` (radix cache only) or ``hicache`` (radix
-cache plus the host tier). Launched servers are stopped when their run ends, on errors
-and on Ctrl-C alike.
+cache plus the host tier), or ``fleet:POLICY``: ``--replicas`` radix servers behind the
+SGLang Model Gateway routing with POLICY (``bench/fleet.py``). Launched servers are
+stopped when their run ends, on errors and on Ctrl-C alike.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.fleet import FAST_ROUTER_FLAGS, ROUTER_POLICIES, FleetError, LocalFleet
 from bench.runner import RunState
 
 # Server flags of each built-in configuration, added to the shared launch flags.
@@ -45,6 +47,7 @@ class Target:
     label: str
     url: str | None = None  # None: launch SERVER_CONFIGS[config]
     config: str | None = None
+    policy: str | None = None  # set: launch a fleet whose router uses this policy
 
 
 def parse_target(spec: str) -> Target:
@@ -57,9 +60,13 @@ def parse_target(spec: str) -> Target:
         return Target(label or value, url=value)
     if value in SERVER_CONFIGS:
         return Target(label or value, config=value)
+    kind, _, policy = value.partition(":")
+    if kind == "fleet" and policy in ROUTER_POLICIES:
+        return Target(label or value, config="radix", policy=policy)
     raise ValueError(
-        f"target {spec!r} is neither a URL (http://host:port) nor one of the server "
-        f"configurations {', '.join(SERVER_CONFIGS)}"
+        f"target {spec!r} is neither a URL (http://host:port), one of the server "
+        f"configurations {', '.join(SERVER_CONFIGS)}, nor fleet:POLICY with a policy "
+        f"of {', '.join(ROUTER_POLICIES)}"
     )
 
 
@@ -75,6 +82,26 @@ class LaunchOptions:
     api_key: str | None = None
     extra_args: tuple[str, ...] = ()
     startup_timeout: float = 300.0
+    replicas: int = 2  # per fleet target
+    router_args: tuple[str, ...] = ()  # extra smg flags of fleet targets
+
+
+def server_flags(config: str, options: LaunchOptions) -> list[str]:
+    """Flags of a launched server (all but where it listens and its key)."""
+    flags = [
+        "--model",
+        options.model,
+        "--device",
+        options.device,
+        "--dtype",
+        options.dtype,
+        *SERVER_CONFIGS[config],
+    ]
+    if options.kv_cache_tokens is not None:
+        flags += ["--kv-cache-tokens", str(options.kv_cache_tokens)]
+    if options.hicache_ratio is not None and config == "hicache":
+        flags += ["--hicache-ratio", str(options.hicache_ratio)]
+    return flags + list(options.extra_args)
 
 
 def _free_port() -> int:
@@ -105,25 +132,14 @@ class LaunchedServer:
             sys.executable,
             "-m",
             "server",
-            "--model",
-            options.model,
-            "--device",
-            options.device,
-            "--dtype",
-            options.dtype,
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
-            *SERVER_CONFIGS[config],
+            *server_flags(config, options),
         ]
-        if options.kv_cache_tokens is not None:
-            self.command += ["--kv-cache-tokens", str(options.kv_cache_tokens)]
-        if options.hicache_ratio is not None and config == "hicache":
-            self.command += ["--hicache-ratio", str(options.hicache_ratio)]
         if options.api_key:
             self.command += ["--api-key", options.api_key]
-        self.command += list(options.extra_args)
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
 
@@ -234,6 +250,9 @@ def run_compare(
             run_one(state)
             continue
         assert target.config is not None
+        if target.policy is not None:
+            _run_fleet(target, launch, run_one, state, log)
+            continue
         log(f"launching server `{target.config}` ...")
         try:
             with LaunchedServer(target.config, launch) as server:
@@ -241,4 +260,35 @@ def run_compare(
                 state.base_url = server.url
                 run_one(state)
         except ServerLaunchError as exc:
+            state.aborted = str(exc)
+
+
+def _run_fleet(
+    target: Target,
+    launch: LaunchOptions,
+    run_one: Callable[[RunState], object],
+    state: RunState,
+    log: Callable[[str], object],
+) -> None:
+    """Launch ``launch.replicas`` servers and a router with ``target.policy``, run, stop."""
+    assert target.config is not None and target.policy is not None
+    if not launch.api_key:
+        raise ValueError("fleet targets need an API key (the router and replicas share it)")
+    log(f"launching {launch.replicas} replicas behind a `{target.policy}` router ...")
+    with tempfile.TemporaryDirectory(prefix="hiserve-bench-fleet-") as log_dir:
+        fleet = LocalFleet(
+            replicas=launch.replicas,
+            policy=target.policy,
+            log_dir=Path(log_dir),
+            server_args=tuple(server_flags(target.config, launch)),
+            api_key=launch.api_key,
+            ready_timeout=launch.startup_timeout,
+            router_args=(*FAST_ROUTER_FLAGS, *launch.router_args),
+        )
+        try:
+            with fleet:
+                log(f"fleet `{target.policy}` is ready on {fleet.url}")
+                state.base_url = fleet.url
+                run_one(state)
+        except FleetError as exc:
             state.aborted = str(exc)

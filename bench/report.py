@@ -7,9 +7,11 @@ import math
 import os
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.client import RequestResult
 from bench.runner import RunOptions, RunState
 from bench.stats import hit_rates, per_round, summarize
 from bench.workloads import Workload, ideal_cached_tokens
@@ -22,6 +24,8 @@ def build_report(state: RunState, workload: Workload, options: RunOptions) -> di
     failed = [r for r in in_order if not r.ok]
     prompts = {r.index: r.prompt for r in workload.requests}
     ideal = ideal_cached_tokens([prompts[r.index] for r in completed])
+    if workload.config.prompt_mode == "text":
+        completed, ideal = in_server_tokens(completed, ideal)
     duration = state.duration
     input_tokens = sum(r.prompt_tokens for r in completed)
     output_tokens = sum(r.output_tokens for r in completed)
@@ -65,9 +69,30 @@ def build_report(state: RunState, workload: Workload, options: RunOptions) -> di
         "tpot": summarize(tpots),
         "e2e_latency": summarize([r.e2e_latency for r in completed if r.e2e_latency is not None]),
         "rounds": per_round(completed, ideal),
+        "workers": dict(sorted(Counter(r.worker for r in completed if r.worker).items())),
         "requests": [_request_row(r) for r in in_order],
     }
     return report
+
+
+def in_server_tokens(
+    results: Sequence[RequestResult], ideal_words: Sequence[int]
+) -> tuple[list[RequestResult], list[int]]:
+    """Text mode: the ideal counted in the server's tokens instead of words.
+
+    A text prompt shares a prefix of whole words with an earlier one; its ideal cached
+    tokens are that share of the prompt tokens the server reported (``usage``), and the
+    prompt length becomes the server's count. Exact when every word is the same number
+    of tokens wherever it stands, which holds for the space-separated common words the
+    text mode uses, up to a token at the boundary.
+    """
+    scaled, ideal = [], []
+    for result, words in zip(results, ideal_words, strict=True):
+        share = words / result.prompt_len if result.prompt_len else 0.0
+        tokens = result.prompt_tokens
+        ideal.append(min(round(share * tokens), max(tokens - 1, 0)))
+        scaled.append(replace(result, prompt_len=tokens))
+    return scaled, ideal
 
 
 def _request_row(result: Any) -> dict[str, Any]:
@@ -85,6 +110,7 @@ def _request_row(result: Any) -> dict[str, Any]:
         "cached_tokens": result.cached_tokens,
         "cached_tokens_device": result.cached_tokens_device,
         "cached_tokens_host": result.cached_tokens_host,
+        "worker": result.worker,
     }
 
 
@@ -127,7 +153,7 @@ def _ratio(report: dict[str, Any]) -> str:
     return f"{achieved / ideal:.2f}"
 
 
-def _rows(report: dict[str, Any], rounds: int) -> list[tuple[str, str]]:
+def _rows(report: dict[str, Any], rounds: int, workers_row: bool) -> list[tuple[str, str]]:
     rows = [
         ("Target", str(report["base_url"])),
         (
@@ -155,6 +181,10 @@ def _rows(report: dict[str, Any], rounds: int) -> list[tuple[str, str]]:
         for stat in ("mean", "p50", "p90", "p99"):
             digits = 2 if unit == "ms" else 3
             rows.append((f"{name} {stat} ({unit})", _fmt(stats[stat], scale, digits)))
+    if workers_row:  # behind a router: how it spread the requests over the replicas
+        workers = report.get("workers") or {}
+        counts = " / ".join(str(n) for n in workers.values()) or "-"
+        rows.append(("Requests per replica", counts))
     by_round = {row["round"]: row for row in report["rounds"]}
     if rounds > 1:
         for r in range(rounds):
@@ -171,7 +201,8 @@ def _rows(report: dict[str, Any], rounds: int) -> list[tuple[str, str]]:
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
     """One column per report, one row per metric; a single run is a one-column table."""
     rounds = max((len(r["rounds"]) for r in reports), default=0)
-    columns = [_rows(r, rounds) for r in reports]
+    workers_row = any(r.get("workers") for r in reports)
+    columns = [_rows(r, rounds, workers_row) for r in reports]
     names = [name for name, _ in columns[0]] if columns else []
     header = ["Metric", *(str(r["label"]) for r in reports)]
     body = [[name, *(col[i][1] for col in columns)] for i, name in enumerate(names)]

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from bench.words import text_for
+
 WORKLOADS = ("multiturn", "shared-prefix", "random")
+# tokens: prompts are token ids (exact accounting); text: the same draws as real words
+# (bench/words.py), for servers and routers that take text only.
+PROMPT_MODES = ("tokens", "text")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class WorkloadConfig:
     vocab_low: int = 1000  # token ids are drawn from [vocab_low, vocab_high)
     vocab_high: int = 40000
     output_len: int = 16  # max_tokens of every request (sent with ignore_eos)
+    prompt_mode: str = "tokens"
     # Lengths are drawn uniformly from [ceil(L * range_ratio), L]; 1.0 keeps them fixed.
     range_ratio: float = 1.0
     # multiturn
@@ -51,6 +57,10 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {WORKLOADS}")
+        if self.prompt_mode not in PROMPT_MODES:
+            raise ValueError(
+                f"unknown prompt mode {self.prompt_mode!r}; choose one of {PROMPT_MODES}"
+            )
         if not 0 <= self.vocab_low < self.vocab_high:
             raise ValueError(
                 f"vocab range [{self.vocab_low}, {self.vocab_high}) is empty or negative"
@@ -84,10 +94,11 @@ class BenchRequest:
     """One request of a workload: its prompt, and where it sits in its conversation."""
 
     index: int  # position in the workload's nominal send order
-    prompt: list[int]
+    prompt: list[int]  # token ids; in text mode, the ids of its words (one per word)
     max_tokens: int
     conversation: int  # requests of one conversation are sent one after another
     round: int  # 0-based position inside the conversation
+    text: str | None = None  # text mode: what is sent instead of ``prompt``
 
 
 @dataclass
@@ -115,6 +126,8 @@ def generate(config: WorkloadConfig) -> Workload:
         requests = _shared_prefix(config, rng)
     else:
         requests = _random(config, rng)
+    if config.prompt_mode == "text":
+        requests = [replace(r, text=text_for(r.prompt)) for r in requests]
     return Workload(config=config, requests=requests)
 
 

@@ -321,6 +321,8 @@ class Engine:
             "kv_free": manager.allocator.free_tokens,
             "kv_used": sum(manager.owned_tokens(r) for r in running),
             "kv_cached": manager.tree.cached_tokens,
+            # cached tokens locked by running requests (a subset of kv_cached)
+            "kv_protected": manager.tree.protected_tokens,
             "running": len(running),
             "waiting": len(self.scheduler.waiting),
             "retractions_total": self.scheduler.num_retractions,

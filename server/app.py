@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from server.args import ServerArgs
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
 from server.errors import APIError, error_response, install_error_handlers, new_error_id
+from server.fleet_info import add_fleet_routes
 from server.log_safety import exposure_warning, install_redaction
 from server.metrics import ServerMetrics
 from server.middleware import GuardMiddleware, bearer_matches
@@ -166,6 +167,7 @@ def create_app(
         allowed_hosts=args.allowed_hosts,
     )
     _add_routes(app, state)
+    add_fleet_routes(app, state)
     return app
 
 
