@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -335,3 +337,39 @@ def test_router_image_pins_the_tested_smg(services: dict[str, Any]) -> None:
         svc = services[router]
         assert svc["build"]["dockerfile"] == "docker/Dockerfile.router"
         assert svc["image"].endswith(f":{pin.group(1)}")
+
+
+# --- L3: the shared file-backend volume and the Mooncake services -----------------------
+def _gflags(binary: str) -> set[str]:
+    """Flag names a Mooncake binary accepts, from its own --help."""
+    path = Path(sys.executable).parent / binary
+    done = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=60)
+    return set(re.findall(r"^\s+-(\w+) \(", done.stdout + done.stderr, re.M))
+
+
+def test_every_server_shares_the_l3_volume(services: dict[str, Any]) -> None:
+    servers = [n for n, svc in services.items() if "HISERVE_MODEL" in svc.get("environment", {})]
+    assert len(servers) >= 6, servers  # hiserve, hiserve-cpu and four fleet replicas
+    for name in servers:
+        svc = services[name]
+        where = svc["environment"]["HISERVE_HICACHE_STORAGE_DIR"]
+        assert f"hicache-l3:{where}" in svc["volumes"], name
+
+
+@pytest.mark.parametrize("name", ["mooncake-master", "mooncake-holder"])
+def test_mooncake_services_use_flags_their_binaries_know(
+    services: dict[str, Any], name: str
+) -> None:
+    binary, *args = services[name]["command"]
+    known = _gflags(binary)
+    assert known, f"{binary} --help listed no flags"
+    for arg in args:
+        flag = arg.lstrip("-").split("=", 1)[0]
+        assert flag in known, f"{name}: {binary} has no flag --{flag}"
+    # The servers are pointed at what these services listen on.
+    env = services["hiserve"]["environment"]
+    master_port = env["HISERVE_HICACHE_MOONCAKE_MASTER"].rpartition(":")[2]
+    metadata_port = env["HISERVE_HICACHE_MOONCAKE_METADATA_SERVER"].split(":")[2].split("/")[0]
+    master_args = services["mooncake-master"]["command"]
+    assert f"--rpc_port={master_port}" in master_args
+    assert f"--http_metadata_server_port={metadata_port}" in master_args

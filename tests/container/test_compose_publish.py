@@ -55,5 +55,9 @@ def test_ports_are_published_on_loopback_by_default(env: Any) -> None:
 
 def test_operator_can_opt_in_to_every_interface() -> None:
     for mapping in _port_mappings():
-        ip, host_port, container_port = _published(_resolve(mapping, {"HISERVE_PUBLISH": "8000"}))
-        assert ip is None and host_port == "8000" and container_port == "8000"
+        # Each published port has its own setting (the API, the fleet's router).
+        match = VAR_RE.search(mapping)
+        assert match is not None, f"{mapping} cannot be changed from .env"
+        port = mapping.rsplit(":", 1)[1]
+        ip, host_port, container_port = _published(_resolve(mapping, {match.group(1): port}))
+        assert ip is None and host_port == container_port == port
