@@ -6,6 +6,8 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ import torch
 from engine import dtypes, loader, platform
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarBackend, TokenMasker, xgrammar_available
+from engine.grammar_spec import GrammarError, check_spec
 from engine.kv_setup import KVSetup, build_kv
 from engine.model_runner import ModelRunner
 from engine.outputs import make_output, stop_checker_of
@@ -69,6 +73,9 @@ class Engine:
             self.device,
             self.eos_token_ids,
         )
+        # Structured outputs: built on the first constrained request (about 0.5 s).
+        self._grammar: GrammarBackend | None = None
+        self._grammar_waiting: list[Req] = []  # queued requests whose grammar is compiling
         self.requests: dict[str, Req] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -92,13 +99,7 @@ class Engine:
         )
 
     def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(i) for i in source)
-        return ids
+        return eos_token_ids_of(self.hf_config, self.tokenizer)
 
     # ------------------------------------------------------------------ input
     def tokenize(self, prompt: PromptType) -> list[int]:
@@ -126,6 +127,27 @@ class Engine:
                 f"{self.kv.manager.capacity}; raise --kv-cache-tokens"
             )
         params.validate(self.vocab_size, self.config.max_stop_strings)
+        if params.grammar is not None:
+            check_spec(params.grammar)
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The grammar backend of this model, built on first use."""
+        if self._grammar is None:
+            if not xgrammar_available():
+                raise GrammarError(
+                    "structured outputs need xgrammar: pip install --no-deps xgrammar==0.2.8 "
+                    "apache-tvm-ffi",
+                    "response_format",
+                )
+            self._grammar = GrammarBackend.for_tokenizer(
+                self.tokenizer,
+                self.vocab_size,
+                self.eos_token_ids,
+                self.config.grammar_compile_timeout,
+            )
+            self.runner.masker = TokenMasker(self.vocab_size, self.device)
+        return self._grammar
 
     def add_request(
         self,
@@ -143,8 +165,12 @@ class Engine:
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         if params.seed is not None:
             req.generator = make_generator(params.seed, self.device)
+        if params.grammar is not None:
+            req.grammar = self.grammar.start(params.grammar, params.stop_token_ids)
         self.scheduler.add(req)
         self.requests[request_id] = req
+        if req.grammar is not None:
+            self._grammar_waiting.append(req)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -167,8 +193,18 @@ class Engine:
             self._finish(req, FinishReason.LENGTH)
             outputs.append(make_output(req, finished=True))
         self.scheduler.out_of_memory.clear()
+        if self._grammar_waiting:
+            outputs.extend(self._poll_grammars())
         batch = self.scheduler.schedule()
         if batch is None:
+            if self._grammar_waiting and not outputs:
+                # Nothing runnable but compiles in flight: block briefly on them rather
+                # than spin (the compile threads need the CPU).
+                wait_futures(
+                    [r.grammar.future for r in self._grammar_waiting],
+                    timeout=0.01,
+                    return_when=FIRST_COMPLETED,
+                )
             return outputs
         started = time.perf_counter()
         result = self.runner.run(batch)
@@ -178,6 +214,24 @@ class Engine:
             self._log_prefill(batch, time.perf_counter() - started)
         if self.check_invariants:
             self.kv.manager.check_invariants(self.scheduler.running)
+        return outputs
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Give compiled grammars their matchers; end requests whose grammar failed."""
+        outputs = []
+        now = time.monotonic()
+        still: list[Req] = []
+        for req in self._grammar_waiting:
+            if req.finished:
+                continue
+            error = req.grammar.poll(now)
+            if error is not None:
+                req.error = error
+                self._finish(req, FinishReason.ABORT)
+                outputs.append(make_output(req, finished=True))
+            elif not req.grammar.ready:
+                still.append(req)
+        self._grammar_waiting = still
         return outputs
 
     def _postprocess(
@@ -197,7 +251,18 @@ class Engine:
             self.counters["generation_tokens_total"] += 1
             if lp is not None:
                 req.logprobs.append(lp)  # type: ignore[arg-type]
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask allowed only grammar tokens: this is a bug, not the request's.
+                req.error = RuntimeError(
+                    f"sampled token {token} is not allowed by the request's grammar"
+                )
+                self._finish(req, FinishReason.ABORT)
+                outputs.append(make_output(req, finished=True))
+                continue
             reason = self._check_stop(req, token)
+            if req.grammar is not None and req.grammar.terminated:
+                # NOTE: a completed grammar is a complete output, even at max_tokens.
+                reason = FinishReason.STOP
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(make_output(req, finished=req.finished))
@@ -238,6 +303,7 @@ class Engine:
                     req.text, req.stop_reason = req.text[: hit[0]], hit[1]
                     reason = FinishReason.STOP
         req.finish_reason = reason
+        req.grammar = None  # the matcher lives exactly as long as the request
         if req.status != ReqStatus.FINISHED:
             self.scheduler.remove(req)
         req.status = ReqStatus.FINISHED
@@ -326,7 +392,20 @@ class Engine:
         }
 
     def close(self) -> None:
+        if self._grammar is not None:
+            self._grammar.close()
         self.kv.close()
+
+
+def eos_token_ids_of(hf_config: Any, tokenizer: Any) -> set[int]:
+    """Every token id the engine ends a request on: the config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return ids
 
 
 def _default_served_name(model: str, model_path: Path) -> str:

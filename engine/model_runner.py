@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.grammar import TokenMasker
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
@@ -37,6 +38,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.masker: TokenMasker | None = None  # set once a constrained request arrives
 
     def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         seq_lens = [s + n for s, n in zip(batch.starts, batch.extend_lens)]
@@ -76,6 +78,10 @@ class ModelRunner:
         input_ids, positions = self._inputs(batch)
         meta = self._metadata(batch)
         meta.kv_loads = batch.kv_loads
+        # Grammar masks are filled on the host before the forward (which a GPU runs
+        # asynchronously, so the two overlap there).
+        sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        mask = self.masker.fill(sampling_reqs) if self.masker is not None else None
         hidden = self.model(input_ids, positions, meta, self.kv_pool)  # [T, hidden]
         if not any(batch.sample):
             return None
@@ -91,4 +97,4 @@ class ModelRunner:
         if len(ends) != hidden.shape[0]:
             hidden = hidden[torch.tensor(ends, dtype=torch.int64, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
-        return self.sampler(logits, sampling, self.eos_token_ids)
+        return self.sampler(logits, sampling, self.eos_token_ids, mask)

@@ -109,6 +109,11 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("schedule-policy", "order of admission", "schedule_policy", choices=SCHEDULE_POLICIES),
     FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
     FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
+    FlagSpec(
+        "grammar-compile-timeout",
+        "seconds a structured-output request may wait for its grammar to compile",
+        "grammar_compile_timeout",
+    ),
     # server-only
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),
