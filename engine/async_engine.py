@@ -174,6 +174,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if finished and item.error is not None:
+                    raise item.error  # e.g. a constraint that did not compile in time
                 yield item
                 if finished:
                     return

@@ -9,6 +9,7 @@ final parse check, which imports xgrammar.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -131,8 +132,13 @@ class GrammarSpec:
         return f"root ::= {literals}"
 
 
+@functools.lru_cache(maxsize=1024)
 def check_spec(spec: GrammarSpec) -> None:
-    """Raise GrammarError unless ``spec`` is something the grammar engine enforces fully."""
+    """Raise GrammarError unless ``spec`` is something the grammar engine enforces fully.
+
+    Cached: parsing a schema takes up to milliseconds, and every choice of a request is
+    checked (failures raise and are not cached).
+    """
     if len(spec.value) > MAX_SPEC_CHARS:
         raise GrammarError(
             f"{spec.param} is {len(spec.value)} characters long; at most {MAX_SPEC_CHARS} "
@@ -165,7 +171,7 @@ def check_schema_features(schema: Any, param: str, path: str = "") -> None:
     if schema.get("uniqueItems") is True:
         refuse("`uniqueItems: true` is not supported; remove it")
     fmt = schema.get("format")
-    if fmt is not None and fmt not in SUPPORTED_FORMATS:
+    if fmt is not None and (not isinstance(fmt, str) or fmt not in SUPPORTED_FORMATS):
         refuse(
             f"the string format {fmt!r} is not supported; use one of "
             f"{', '.join(sorted(SUPPORTED_FORMATS))} or a `pattern`"
@@ -216,7 +222,7 @@ def _parse_check(spec: GrammarSpec) -> None:
             xgr.Grammar.from_regex(spec.value)
         else:
             xgr.Grammar.from_ebnf(spec.as_ebnf())
-    except (RuntimeError, ValueError) as exc:
+    except Exception as exc:  # any parse failure is the constraint's fault
         what = {"json_schema": "JSON schema", "regex": "regular expression"}.get(
             spec.kind, "grammar"
         )

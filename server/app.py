@@ -97,7 +97,7 @@ def create_app(
 
         def ready(engine: Any) -> None:
             state.engine = engine
-            state.client = EngineClient(engine)
+            state.client = EngineClient(engine, args.tool_call_parser)
             print(summary_line(args, engine.health()), flush=True)
 
         def failed(exc: BaseException) -> None:

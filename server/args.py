@@ -23,6 +23,7 @@ from engine.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
 )
+from server.tools.parsers import PARSER_NAMES
 
 ENV_PREFIX = "HISERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -136,6 +137,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         kind="float",
         default=30.0,
     ),
+    FlagSpec(
+        "tool-call-parser",
+        "format of tool calls in free text (auto: from the chat template; hermes otherwise)",
+        kind="str",
+        default="auto",
+        choices=PARSER_NAMES,
+    ),
 )
 
 
@@ -150,6 +158,7 @@ class ServerArgs:
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_grace: float = 30.0
+    tool_call_parser: str = "auto"
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -161,6 +170,7 @@ class ServerArgs:
             api_key="set" if self.api_key else "none",
             max_body_bytes=self.max_body_bytes,
             shutdown_grace=self.shutdown_grace,
+            tool_call_parser=self.tool_call_parser,
         )
         return out
 
@@ -296,4 +306,5 @@ def parse_args(
         log_level=values["log_level"],
         max_body_bytes=values["max_body_bytes"],
         shutdown_grace=values["shutdown_grace"],
+        tool_call_parser=values["tool_call_parser"],
     )

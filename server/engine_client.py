@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.request import RequestOutput, SamplingParams
 from server.errors import APIError
+from server.tools.parsers import ToolCallParser, choose_parser
+from server.tools.prompt import template_knows_tools
 
 T = TypeVar("T")
 
@@ -74,7 +76,9 @@ def translate_engine_error(exc: BaseException, prompt_param: str = "prompt") -> 
             headers={"Retry-After": str(RETRY_AFTER_DEAD)},
         )
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc), param=param_of(str(exc), prompt_param))
+        # A GrammarError knows its field; other messages start with it.
+        param = getattr(exc, "param", None) or param_of(str(exc), prompt_param)
+        return APIError(400, str(exc), param=param)
     return None
 
 
@@ -85,10 +89,16 @@ class EngineClient:
     to reconfigure concurrently, and one thread keeps the event loop free either way.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, tool_call_parser: str = "auto") -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hiserve-tok")
+        template = getattr(self.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        # Whether the chat template renders tools itself; if not, hiserve writes the
+        # tool instructions in the parser's format.
+        self.template_knows_tools = template_knows_tools(template)
+        self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -130,11 +140,12 @@ class EngineClient:
 
     async def render_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Apply the model's chat template and tokenize the result."""
+        """Apply the model's chat template (with ``tools`` when given) and tokenize."""
 
         def work() -> list[int]:
             if getattr(self.tokenizer, "chat_template", None) is None:
@@ -147,6 +158,8 @@ class EngineClient:
             }
             if continue_final_message:
                 kwargs["continue_final_message"] = True
+            if tools:
+                kwargs["tools"] = tools
             try:
                 text = self.tokenizer.apply_chat_template(messages, **kwargs)
             except Exception as exc:  # template errors are the request's fault
@@ -171,7 +184,8 @@ class EngineClient:
         try:
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=param_of(str(exc), prompt_param)) from exc
+            param = getattr(exc, "param", None) or param_of(str(exc), prompt_param)
+            raise APIError(400, str(exc), param=param) from exc
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise APIError(

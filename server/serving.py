@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from engine.grammar_spec import GrammarSpec
 from engine.request import RequestOutput, SamplingParams
 from server.engine_client import EngineClient, translate_engine_error
 from server.errors import APIError, error_json
@@ -105,8 +106,12 @@ def make_plan(
     max_tokens: Callable[[list[int]], int],
     logprobs: int | None,
     prompt_param: str,
+    grammar: GrammarSpec | None = None,
 ) -> Plan:
-    """Validate every choice up front, so a bad field fails before anything is queued."""
+    """Validate every choice up front, so a bad field fails before anything is queued.
+
+    ``grammar``: the output constraint every choice follows (each with its own matcher).
+    """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
     for k in range(plan.num_choices):
         prompt = plan.prompt_of(k)
@@ -118,6 +123,7 @@ def make_plan(
             seed=seed,
             vocab_size=client.vocab_size,
         )
+        params.grammar = grammar
         client.validate(prompt, params, prompt_param)
         plan.params.append(params)
     return plan
