@@ -44,8 +44,9 @@ SUPPORTED_FORMATS = frozenset(
         "relative-json-pointer",
     }
 )
-# Keywords xgrammar accepts but does not enforce: a schema using them is refused rather
-# than producing output that does not validate.
+# Keywords xgrammar 0.2.8 accepts but does not enforce (`not`, `if` checked here) or that
+# hiserve has not verified: a schema using them is refused rather than producing output
+# that may not validate.
 UNENFORCED_KEYWORDS = ("multipleOf", "contains", "minContains", "maxContains", "not", "if")
 
 
