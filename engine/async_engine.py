@@ -42,6 +42,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
         self.engine = engine or Engine(config)
+        self.engine.prepare_grammar()  # here, in the loading thread, not on the loop
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_path = self.engine.model_path

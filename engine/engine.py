@@ -6,8 +6,6 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED
-from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,8 @@ import torch
 from engine import dtypes, loader, platform
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.grammar import GrammarBackend, TokenMasker, xgrammar_available
-from engine.grammar_spec import GrammarError, check_spec
+from engine.grammar import EngineGrammars, GrammarBackend
+from engine.grammar_spec import check_spec
 from engine.kv_setup import KVSetup, build_kv
 from engine.model_runner import ModelRunner
 from engine.outputs import make_output, stop_checker_of
@@ -73,9 +71,14 @@ class Engine:
             self.device,
             self.eos_token_ids,
         )
-        # Structured outputs: built on the first constrained request (about 0.5 s).
-        self._grammar: GrammarBackend | None = None
-        self._grammar_waiting: list[Req] = []  # queued requests whose grammar is compiling
+        self.grammars = EngineGrammars(
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            config.grammar_compile_timeout,
+            self.device,
+        )
+        self.runner.masker = self.grammars.masker
         self.requests: dict[str, Req] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -130,24 +133,14 @@ class Engine:
         if params.grammar is not None:
             check_spec(params.grammar)
 
+    def prepare_grammar(self) -> bool:
+        """Build the grammar backend now if xgrammar is installed (see EngineGrammars)."""
+        return self.grammars.prepare()
+
     @property
     def grammar(self) -> GrammarBackend:
         """The grammar backend of this model, built on first use."""
-        if self._grammar is None:
-            if not xgrammar_available():
-                raise GrammarError(
-                    "structured outputs need xgrammar: pip install --no-deps xgrammar==0.2.8 "
-                    "apache-tvm-ffi",
-                    "response_format",
-                )
-            self._grammar = GrammarBackend.for_tokenizer(
-                self.tokenizer,
-                self.vocab_size,
-                self.eos_token_ids,
-                self.config.grammar_compile_timeout,
-            )
-            self.runner.masker = TokenMasker(self.vocab_size, self.device)
-        return self._grammar
+        return self.grammars.backend
 
     def add_request(
         self,
@@ -170,7 +163,7 @@ class Engine:
         self.scheduler.add(req)
         self.requests[request_id] = req
         if req.grammar is not None:
-            self._grammar_waiting.append(req)
+            self.grammars.waiting.append(req)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -193,18 +186,15 @@ class Engine:
             self._finish(req, FinishReason.LENGTH)
             outputs.append(make_output(req, finished=True))
         self.scheduler.out_of_memory.clear()
-        if self._grammar_waiting:
-            outputs.extend(self._poll_grammars())
+        for req, error in self.grammars.poll():
+            req.error = error
+            self._finish(req, FinishReason.ABORT)
+            outputs.append(make_output(req, finished=True))
         batch = self.scheduler.schedule()
         if batch is None:
-            if self._grammar_waiting and not outputs:
-                # Nothing runnable but compiles in flight: block briefly on them rather
-                # than spin (the compile threads need the CPU).
-                wait_futures(
-                    [r.grammar.future for r in self._grammar_waiting],
-                    timeout=0.01,
-                    return_when=FIRST_COMPLETED,
-                )
+            if not outputs:
+                # Nothing runnable: block briefly on compiles in flight rather than spin.
+                self.grammars.wait(timeout=0.01)
             return outputs
         started = time.perf_counter()
         result = self.runner.run(batch)
@@ -214,24 +204,6 @@ class Engine:
             self._log_prefill(batch, time.perf_counter() - started)
         if self.check_invariants:
             self.kv.manager.check_invariants(self.scheduler.running)
-        return outputs
-
-    def _poll_grammars(self) -> list[RequestOutput]:
-        """Give compiled grammars their matchers; end requests whose grammar failed."""
-        outputs = []
-        now = time.monotonic()
-        still: list[Req] = []
-        for req in self._grammar_waiting:
-            if req.finished:
-                continue
-            error = req.grammar.poll(now)
-            if error is not None:
-                req.error = error
-                self._finish(req, FinishReason.ABORT)
-                outputs.append(make_output(req, finished=True))
-            elif not req.grammar.ready:
-                still.append(req)
-        self._grammar_waiting = still
         return outputs
 
     def _postprocess(
@@ -392,8 +364,7 @@ class Engine:
         }
 
     def close(self) -> None:
-        if self._grammar is not None:
-            self._grammar.close()
+        self.grammars.close()
         self.kv.close()
 
 

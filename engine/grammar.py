@@ -14,7 +14,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -308,3 +309,74 @@ class TokenMasker:
             indices=mask.rows,
             backend=self.backend,  # type: ignore[arg-type]
         )
+
+
+class EngineGrammars:
+    """The engine's structured-output side: the backend, built once, and the queued
+    requests whose grammar is still compiling (engine thread only)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Collection[int],
+        compile_timeout_s: float,
+        device: torch.device,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = set(stop_token_ids)
+        self.compile_timeout_s = compile_timeout_s
+        self.masker = TokenMasker(vocab_size, device)
+        self.waiting: list[Req] = []
+        self._backend: GrammarBackend | None = None
+
+    def prepare(self) -> bool:
+        """Build the backend now (about 0.5 s) if xgrammar is installed, so the first
+        constrained request does not pay for it on the engine thread."""
+        if not xgrammar_available():
+            return False
+        _ = self.backend
+        return True
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:
+            if not xgrammar_available():
+                raise GrammarError(
+                    "structured outputs need xgrammar: pip install --no-deps xgrammar==0.2.8 "
+                    "apache-tvm-ffi",
+                    "response_format",
+                )
+            self._backend = GrammarBackend.for_tokenizer(
+                self.tokenizer, self.vocab_size, self.stop_token_ids, self.compile_timeout_s
+            )
+        return self._backend
+
+    def poll(self) -> list[tuple[Req, GrammarError]]:
+        """Give compiled grammars their matchers; the requests whose grammar failed."""
+        if not self.waiting:
+            return []
+        now = time.monotonic()
+        failed: list[tuple[Req, GrammarError]] = []
+        still: list[Req] = []
+        for req in self.waiting:
+            if req.finished or req.grammar is None:
+                continue
+            error = req.grammar.poll(now)
+            if error is not None:
+                failed.append((req, error))
+            elif not req.grammar.ready:
+                still.append(req)
+        self.waiting = still
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` s for a compile in flight (none: return at once)."""
+        futures = [r.grammar.future for r in self.waiting if r.grammar is not None]
+        if futures:
+            wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()

@@ -38,7 +38,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.masker: TokenMasker | None = None  # set once a constrained request arrives
+        self.masker: TokenMasker | None = None  # the engine's, for constrained requests
 
     def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         seq_lens = [s + n for s, n in zip(batch.starts, batch.extend_lens)]

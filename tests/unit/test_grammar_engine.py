@@ -31,10 +31,10 @@ PROMPT = (
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir: Any) -> Iterator[Engine]:
-    # A small KV pool: eight requests of ~60 tokens do not fit, so decode retracts.
+    # A small KV pool: seven requests of ~60 tokens do not fit, so decode retracts.
     eng = Engine(
         EngineConfig(
-            model="default", device="cpu", dtype="float32", kv_cache_tokens=320, page_size=1
+            model="default", device="cpu", dtype="float32", kv_cache_tokens=256, page_size=1
         )
     )
     eng.check_invariants = True
@@ -130,3 +130,15 @@ def test_compile_timeout_ends_only_that_request(engine: Engine) -> None:
     assert isinstance(finals[slow_id].error, GrammarError)
     assert "did not compile within" in str(finals[slow_id].error)
     assert finals[free_id].finish_reason == "length" and finals[free_id].error is None
+
+
+def test_abort_while_compiling_frees_everything(engine: Engine) -> None:
+    slow = GrammarSpec.json_schema(
+        {"type": "object", "properties": {"t": {"type": "string", "maxLength": 126}}},
+        "response_format",
+    )
+    request_id = engine.add_request(PROMPT, SamplingParams(max_tokens=3, grammar=slow))
+    out = engine.abort(request_id)
+    assert out is not None and out.finish_reason == "abort" and out.error is None
+    assert engine.step() == [] and not engine.has_work
+    assert engine.grammars.waiting == []
