@@ -58,7 +58,8 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Collec
     detected = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
     )
-    vocab: list[bytes] = [bytes(piece) for piece in detected.decoded_vocab]
+    # A tokenizer may know more ids than the LM head has rows: those can never be sampled.
+    vocab: list[bytes] = [bytes(piece) for piece in detected.decoded_vocab][:vocab_size]
     special = {
         int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
     }
