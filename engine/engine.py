@@ -14,6 +14,8 @@ import torch
 from engine import dtypes, loader, platform
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import EngineGrammars, GrammarBackend
+from engine.grammar_spec import check_spec
 from engine.kv_setup import KVSetup, build_kv
 from engine.model_runner import ModelRunner
 from engine.outputs import make_output, stop_checker_of
@@ -78,6 +80,14 @@ class Engine:
             self.device,
             self.eos_token_ids,
         )
+        self.grammars = EngineGrammars(
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            config.grammar_compile_timeout,
+            self.device,
+        )
+        self.runner.masker = self.grammars.masker
         self.requests: dict[str, Req] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -102,13 +112,7 @@ class Engine:
         )
 
     def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(i) for i in source)
-        return ids
+        return eos_token_ids_of(self.hf_config, self.tokenizer)
 
     # ------------------------------------------------------------------ input
     def tokenize(self, prompt: PromptType) -> list[int]:
@@ -141,6 +145,17 @@ class Engine:
             self.config.max_stop_token_ids,
             self.config.max_logprobs,
         )
+        if params.grammar is not None:
+            check_spec(params.grammar)
+
+    def prepare_grammar(self) -> bool:
+        """Build the grammar backend now if xgrammar is installed (see EngineGrammars)."""
+        return self.grammars.prepare()
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The grammar backend of this model, built on first use."""
+        return self.grammars.backend
 
     def add_request(
         self,
@@ -158,8 +173,12 @@ class Engine:
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         if params.seed is not None:
             req.generator = make_generator(params.seed, self.device)
+        if params.grammar is not None:
+            req.grammar = self.grammar.start(params.grammar, params.stop_token_ids)
         self.scheduler.add(req)
         self.requests[request_id] = req
+        if req.grammar is not None:
+            self.grammars.waiting.append(req)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -182,8 +201,15 @@ class Engine:
             self._finish(req, FinishReason.LENGTH)
             outputs.append(make_output(req, finished=True))
         self.scheduler.out_of_memory.clear()
+        for req, error in self.grammars.poll():
+            req.error = error
+            self._finish(req, FinishReason.ABORT)
+            outputs.append(make_output(req, finished=True))
         batch = self.scheduler.schedule()
         if batch is None:
+            if not outputs:
+                # Nothing runnable: block briefly on compiles in flight rather than spin.
+                self.grammars.wait(timeout=0.01)
             return outputs
         started = time.perf_counter()
         result = self.runner.run(batch)
@@ -213,7 +239,18 @@ class Engine:
             self.counters["generation_tokens_total"] += 1
             if lp is not None:
                 req.logprobs.append(lp)  # type: ignore[arg-type]
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask allowed only grammar tokens: this is a bug, not the request's.
+                req.error = RuntimeError(
+                    f"sampled token {token} is not allowed by the request's grammar"
+                )
+                self._finish(req, FinishReason.ABORT)
+                outputs.append(make_output(req, finished=True))
+                continue
             reason = self._check_stop(req, token)
+            if req.grammar is not None and req.grammar.terminated:
+                # NOTE: a completed grammar is a complete output, even at max_tokens.
+                reason = FinishReason.STOP
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(make_output(req, finished=req.finished))
@@ -254,6 +291,7 @@ class Engine:
                     req.text, req.stop_reason = req.text[: hit[0]], hit[1]
                     reason = FinishReason.STOP
         req.finish_reason = reason
+        req.grammar = None  # the matcher lives exactly as long as the request
         if req.status != ReqStatus.FINISHED:
             self.scheduler.remove(req)
         req.status = ReqStatus.FINISHED
@@ -346,7 +384,19 @@ class Engine:
         }
 
     def close(self) -> None:
+        self.grammars.close()
         self.kv.close()
+
+
+def eos_token_ids_of(hf_config: Any, tokenizer: Any) -> set[int]:
+    """Every token id the engine ends a request on: the config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return ids
 
 
 def _default_served_name(model: str, model_path: Path) -> str:

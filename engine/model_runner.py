@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.grammar import TokenMasker
 from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
@@ -38,6 +39,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.masker: TokenMasker | None = None  # the engine's, for constrained requests
 
     def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
         """Every int64 input of one step in one buffer, one host -> device copy.
@@ -109,10 +111,13 @@ class ModelRunner:
             req_rows_list=rows,
             kv_loads=batch.kv_loads,
         )
+        # Grammar masks are filled on the host before the forward (which a GPU runs
+        # asynchronously, so the two overlap there).
+        mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
         hidden = self.model(input_ids, positions_t, meta, self.kv_pool)  # [T, hidden]
         if not sampling:
             return None
         if len(ends) != hidden.shape[0]:
             hidden = hidden.index_select(0, ends_t)  # [num_sampling, hidden]
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
-        return self.sampler(logits, sampling, self.eos_token_ids)
+        return self.sampler(logits, sampling, self.eos_token_ids, mask)

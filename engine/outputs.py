@@ -55,4 +55,5 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
         stop_reason=req.stop_reason,
         first_token_time=req.first_token_time,
         arrival_time=req.arrival_time,
+        error=req.error if finished else None,
     )

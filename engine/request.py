@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.grammar_spec import GrammarSpec
+
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
 
@@ -38,6 +40,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives per generated token; 0: chosen only
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: the text must match it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +134,9 @@ class RequestOutput:
     stop_reason: int | str | None = None  # matched stop string or stop token id
     first_token_time: float | None = None
     arrival_time: float = 0.0
+    # Why the engine ended the request early (finish_reason "abort"): a ValueError is the
+    # request's fault (a constraint that does not compile), anything else the server's.
+    error: Exception | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -182,6 +188,8 @@ class Req:
     sent_logprobs: int = 0
     generator: Any = None  # torch.Generator for seeded sampling
     stop_checker: Any = None  # detokenizer.StopChecker, built on first use
+    grammar: Any = None  # grammar.RequestGrammar of a constrained request (engine thread)
+    error: Exception | None = None  # set when the engine ends the request on an error
 
     @property
     def all_ids(self) -> list[int]:

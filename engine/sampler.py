@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Collection, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engine.request import Req, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.grammar import BatchMask
 
 
 def _upload(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -79,10 +82,17 @@ class Sampler:
         )
 
     def __call__(
-        self, logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: Collection[int]
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Req],
+        eos_token_ids: Collection[int],
+        grammar_mask: BatchMask | None = None,
     ) -> SamplerOutput:
         # NOTE: columns past vocab_size (padded lm_head) can never be chosen.
         logits = logits[:, : self.vocab_size].float()  # [B, V]
+        raw_logits = logits
+        if grammar_mask is not None:
+            logits = self.apply_grammar(logits, reqs, grammar_mask)
         batch = len(reqs)
         fast = all(
             r.params.greedy
@@ -95,9 +105,10 @@ class Sampler:
             # Fast path: one argmax over the batch, one device -> host transfer.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
 
-        raw_logits = logits
         logits = self.apply_penalties(logits, reqs)
-        logits = self.apply_min_tokens(logits, reqs, eos_token_ids)
+        logits = self.apply_min_tokens(
+            logits, reqs, eos_token_ids, grammar_mask.may_end_rows if grammar_mask else ()
+        )
 
         greedy_rows = [b for b, r in enumerate(reqs) if r.params.greedy]
         sample_rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
@@ -113,6 +124,22 @@ class Sampler:
             token_ids[sample_idx] = self._sample(logits[sample_idx], [reqs[b] for b in sample_rows])
         logprobs = self._logprobs(raw_logits, token_ids, reqs)
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+    # -- grammar ---------------------------------------------------------------------
+
+    def apply_grammar(
+        self, logits: torch.Tensor, reqs: Sequence[Req], grammar_mask: BatchMask
+    ) -> torch.Tensor:
+        """Logits with every token the constrained rows' grammars forbid set to -inf.
+
+        NOTE: first of all steps, so penalties, temperature and top-k/top-p/min-p only
+        ever see allowed tokens; unconstrained rows are not touched. Logprobs keep the
+        raw logits, so the input is copied when a row asks for them.
+        """
+        if any(r.params.logprobs is not None for r in reqs):
+            logits = logits.clone()
+        grammar_mask.apply(logits)
+        return logits
 
     # -- penalties -------------------------------------------------------------------
 
@@ -183,12 +210,22 @@ class Sampler:
     # -- min_tokens ------------------------------------------------------------------
 
     def apply_min_tokens(
-        self, logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: Collection[int]
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Req],
+        eos_token_ids: Collection[int],
+        exempt_rows: Collection[int] = (),
     ) -> torch.Tensor:
-        """Set EOS and stop token logits to -inf for rows still short of ``min_tokens``."""
+        """Set EOS and stop token logits to -inf for rows still short of ``min_tokens``.
+
+        ``exempt_rows``: rows whose grammar may end here; banning its stop tokens could
+        leave such a row with no allowed token at all.
+        """
         rows: list[int] = []
         token_ids: list[int] = []
         for b, r in enumerate(reqs):
+            if b in exempt_rows:
+                continue
             banned = min_tokens_banned(r.params, len(r.output_ids), eos_token_ids)
             banned = [t for t in banned if 0 <= t < logits.shape[1]]
             rows.extend([b] * len(banned))

@@ -206,6 +206,8 @@ class Scheduler:
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if req.grammar is not None and not req.grammar.ready:
+                continue  # its grammar is still compiling; it must not hold back others
             if self.kv.req_table.free_rows == 0:
                 break
             match = self.kv.match(req)

@@ -107,6 +107,7 @@ def create_app(
             state.engine = engine
             state.client = EngineClient(
                 engine,
+                args.tool_call_parser,
                 max_choices=args.max_choices,
                 trust_special_tokens=args.trust_message_special_tokens,
             )

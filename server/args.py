@@ -25,6 +25,7 @@ from engine.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
 )
+from server.tools.parsers import PARSER_NAMES
 
 ENV_PREFIX = "HISERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -156,6 +157,11 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "seconds a stream's reader may take nothing before its request is ended",
         "stream_stall_timeout",
     ),
+    FlagSpec(
+        "grammar-compile-timeout",
+        "seconds a structured-output request may wait for its grammar to compile",
+        "grammar_compile_timeout",
+    ),
     # server-only
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),
@@ -203,6 +209,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         kind="bool",
         default=False,
     ),
+    FlagSpec(
+        "tool-call-parser",
+        "format of tool calls in free text (auto: from the chat template; hermes otherwise)",
+        kind="str",
+        default="auto",
+        choices=PARSER_NAMES,
+    ),
 )
 
 
@@ -221,6 +234,7 @@ class ServerArgs:
     allowed_hosts: tuple[str, ...] = ()  # empty: any Host header
     enable_docs: bool = False
     trust_message_special_tokens: bool = False
+    tool_call_parser: str = "auto"
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -236,6 +250,7 @@ class ServerArgs:
             allowed_hosts=",".join(self.allowed_hosts) or "any",
             enable_docs=self.enable_docs,
             trust_message_special_tokens=self.trust_message_special_tokens,
+            tool_call_parser=self.tool_call_parser,
         )
         return out
 
@@ -377,6 +392,7 @@ def parse_args(
         allowed_hosts=parse_hosts(values["allowed_hosts"]),
         enable_docs=bool(values["enable_docs"]),
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),
+        tool_call_parser=values["tool_call_parser"],
     )
 
 

@@ -55,7 +55,11 @@ class ChatPromptEncoder:
             shielded.append(match.group(0))
             return f"{_OPEN}{len(shielded) - 1}{_CLOSE}"
 
-        safe = [{k: self._pattern.sub(shield, v) for k, v in m.items()} for m in messages]
+        # Only text is shielded: tool calls and other structured fields pass as they are.
+        safe = [
+            {k: self._pattern.sub(shield, v) if isinstance(v, str) else v for k, v in m.items()}
+            for m in messages
+        ]
         text = self.render_text(safe, **template_kw)
         ids: list[int] = []
         pos = 0

@@ -20,6 +20,8 @@ from engine.async_engine import EngineDeadError, EngineOverloadedError, StreamSt
 from engine.request import RequestOutput, SamplingParams
 from server.chat_tokens import ChatPromptEncoder
 from server.errors import APIError, internal_error
+from server.tools.parsers import ToolCallParser, choose_parser
+from server.tools.prompt import template_knows_tools
 
 T = TypeVar("T")
 
@@ -79,7 +81,9 @@ def translate_engine_error(exc: BaseException, prompt_param: str = "prompt") -> 
     if isinstance(exc, StreamStalledError):
         return APIError(408, str(exc), code="stream_stalled")
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc), param=param_of(str(exc), prompt_param))
+        # A GrammarError knows its field; other messages start with it.
+        param = getattr(exc, "param", None) or param_of(str(exc), prompt_param)
+        return APIError(400, str(exc), param=param)
     return None
 
 
@@ -91,7 +95,11 @@ class EngineClient:
     """
 
     def __init__(
-        self, engine: Any, max_choices: int = 256, trust_special_tokens: bool = False
+        self,
+        engine: Any,
+        tool_call_parser: str = "auto",
+        max_choices: int = 256,
+        trust_special_tokens: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -103,6 +111,12 @@ class EngineClient:
         self._bulk_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hiserve-bulk")
         self._bulk_encoder: ChatPromptEncoder | None = None
         self.max_prompt_bytes = prompt_byte_bound(self.tokenizer, self.max_model_len)
+        template = getattr(self.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        # Whether the chat template renders tools itself; if not, hiserve writes the
+        # tool instructions in the parser's format.
+        self.template_knows_tools = template_knows_tools(template)
+        self.tool_parser: ToolCallParser = choose_parser(tool_call_parser, template)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -185,9 +199,10 @@ class EngineClient:
 
     async def render_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Apply the model's chat template and tokenize the result; message content is
         text (see ``ChatPromptEncoder``) unless --trust-message-special-tokens is set."""
@@ -195,10 +210,12 @@ class EngineClient:
             raise APIError(
                 400, "this model has no chat template; use /v1/completions", param="messages"
             )
-        self.check_text_size([m.get("content", "") for m in messages], "messages")
+        self.check_text_size([m.get("content") or "" for m in messages], "messages")
         kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        if tools:
+            kwargs["tools"] = tools
 
         def work(encoder: ChatPromptEncoder) -> list[int]:
             try:
@@ -214,7 +231,7 @@ class EngineClient:
                     "server log under this id",
                 ) from exc
 
-        if sum(len(m.get("content", "")) for m in messages) > BULK_TEXT_CHARS:
+        if sum(len(m.get("content") or "") for m in messages) > BULK_TEXT_CHARS:
             return await self._in_bulk_worker(work)
         return await self._in_worker(lambda: work(self.chat_encoder))
 
@@ -231,7 +248,8 @@ class EngineClient:
         try:
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=param_of(str(exc), prompt_param)) from exc
+            param = getattr(exc, "param", None) or param_of(str(exc), prompt_param)
+            raise APIError(400, str(exc), param=param) from exc
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise APIError(

@@ -2,7 +2,7 @@
 
 Unknown request fields are ignored, as the OpenAI API and vLLM do for forward
 compatibility; fields this server parses but cannot honour are rejected with 400
-(``suffix``, ``best_of`` > ``n``, non-empty ``logit_bias``, tools, image content).
+(``suffix``, ``best_of`` > ``n``, non-empty ``logit_bias``, image content).
 """
 
 from __future__ import annotations
@@ -55,6 +55,16 @@ class _SamplingRequest(_Request):
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(default=0, ge=0)
     skip_special_tokens: bool | None = True
+    # Structured outputs, at most one per request (server/constraints.py reads them):
+    # vLLM's structured_outputs and its older guided_* fields, SGLang's regex/ebnf/json_schema.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -66,6 +76,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    response_format: dict[str, Any] | None = None
 
 
 class TextContentPart(_Request):
@@ -77,6 +88,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -89,6 +102,7 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
 
@@ -151,9 +165,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -173,9 +199,24 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """One fragment of a streamed tool call; fragments with the same index concatenate."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

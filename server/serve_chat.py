@@ -9,7 +9,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.request import TokenLogprob
+from engine.grammar_spec import GrammarSpec
+from engine.request import RequestOutput, TokenLogprob
+from server.constraints import checked, request_constraint
 from server.engine_client import EngineClient
 from server.errors import APIError
 from server.metrics import RequestTimer, ServerMetrics
@@ -41,6 +43,9 @@ from server.serving import (
     until_disconnect,
 )
 from server.sse import SSE_DONE, SSEResponse, sse_event
+from server.tools.definitions import ToolPlan, tool_plan
+from server.tools.prompt import with_tools
+from server.tools.response import ToolStream, finish_tools, tool_call_deltas, tool_calls_of
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -73,14 +78,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 def _check_chat_fields(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice is not supported", param="tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400, 'only response_format {"type": "text"} is supported', param="response_format"
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
@@ -89,6 +86,22 @@ def _check_chat_fields(req: ChatCompletionRequest) -> None:
             "continue_final_message and add_generation_prompt cannot both be true",
             param="continue_final_message",
         )
+
+
+def chat_constraint(req: ChatCompletionRequest, tools: ToolPlan) -> GrammarSpec | None:
+    """The request's output constraint: its own, or the one a required/named tool call needs."""
+    grammar = request_constraint(req)
+    tool_grammar = tools.constraint() if tools.active else None
+    if tool_grammar is None:
+        return grammar
+    if grammar is not None:
+        raise APIError(
+            400,
+            f"tool_choice {req.tool_choice!r} already constrains the output; it cannot be "
+            f"combined with {grammar.param}",
+            param=grammar.param,
+        )
+    return checked(tool_grammar)
 
 
 def chat_logprobs(client: EngineClient, entries: list[TokenLogprob]) -> ChatLogprobs:
@@ -118,10 +131,16 @@ async def serve_chat(
     start = time.perf_counter()
     check_request(req, client)
     _check_chat_fields(req)
+    tools = tool_plan(req)
+    grammar = chat_constraint(req, tools)
+    messages, tool_defs = with_tools(
+        chat_messages(req), req, tools, client.tool_parser, client.template_knows_tools
+    )
     prompt_ids = await client.render_chat(
-        chat_messages(req),
+        messages,
         add_generation_prompt=req.add_generation_prompt is not False,
         continue_final_message=bool(req.continue_final_message),
+        tools=tool_defs,
     )
     requested = req.max_completion_tokens or req.max_tokens
     room = client.max_model_len - len(prompt_ids)
@@ -132,25 +151,41 @@ async def serve_chat(
 
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     plan = make_plan(
-        client, req, random_id("chatcmpl"), [prompt_ids], max_tokens, logprobs, "messages"
+        client,
+        req,
+        random_id("chatcmpl"),
+        [prompt_ids],
+        max_tokens,
+        logprobs,
+        "messages",
+        grammar,
     )
     gen = start_generation(client, plan)
     timers = make_timers(metrics, start, plan.num_choices)
     if req.stream:
         first = await prime(request, gen, "messages")
-        return SSEResponse(_stream(req, plan, client, chain_first(first, gen), timers))
+        return SSEResponse(_stream(req, plan, client, chain_first(first, gen), timers, tools))
 
     finals = await until_disconnect(request, collect(gen, timers, "messages"))
-    choices = [
-        ChatChoice(
-            index=k,
-            message=ChatResponseMessage(content=finals[k].text),
-            logprobs=chat_logprobs(client, finals[k].logprobs or []) if req.logprobs else None,
-            finish_reason=finals[k].finish_reason,
-            stop_reason=finals[k].stop_reason,
+    choices = []
+    for k in range(plan.num_choices):
+        message = ChatResponseMessage(content=finals[k].text)
+        finish_reason = finals[k].finish_reason
+        if tools.active:
+            outcome = finish_tools(tools, client.tool_parser, finals[k].text, finish_reason)
+            message = ChatResponseMessage(
+                content=outcome.content, tool_calls=tool_calls_of(outcome.calls) or None
+            )
+            finish_reason = outcome.finish_reason
+        choices.append(
+            ChatChoice(
+                index=k,
+                message=message,
+                logprobs=chat_logprobs(client, finals[k].logprobs or []) if req.logprobs else None,
+                finish_reason=finish_reason,
+                stop_reason=finals[k].stop_reason,
+            )
         )
-        for k in range(plan.num_choices)
-    ]
     body = ChatCompletionResponse(
         id=plan.base_id,
         model=client.served_model_name,
@@ -160,11 +195,36 @@ async def serve_chat(
     return JSONResponse(body.model_dump())
 
 
+def _tool_events(
+    k: int, out: RequestOutput, logprobs: ChatLogprobs | None, stream: ToolStream
+) -> list[ChatStreamChoice]:
+    """Choice k's stream events for one output when tools are on: content as soon as it
+    cannot be part of a call, the calls once the reply is complete."""
+    events = []
+    content = stream.feed(out.new_text)
+    if content or logprobs:
+        events.append(
+            ChatStreamChoice(
+                index=k, delta=DeltaMessage(content=content or None), logprobs=logprobs
+            )
+        )
+    if out.finished:
+        rest, outcome = stream.finish(out.finish_reason)
+        if rest:
+            events.append(ChatStreamChoice(index=k, delta=DeltaMessage(content=rest)))
+        for fragment in tool_call_deltas(outcome.calls):
+            events.append(ChatStreamChoice(index=k, delta=DeltaMessage(tool_calls=fragment)))
+        events.append(
+            ChatStreamChoice(index=k, delta=DeltaMessage(), finish_reason=outcome.finish_reason)
+        )
+    return events
+
+
 def _chunk_event(chunk: ChatCompletionChunk) -> str:
     # A delta lists only what it carries: {"role": ...}, {"content": ...} or {} at the end.
     payload: dict[str, Any] = chunk.model_dump()
-    for choice in payload["choices"]:
-        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    for choice, model in zip(payload["choices"], chunk.choices, strict=True):
+        choice["delta"] = model.delta.model_dump(exclude_none=True)
     return sse_event(payload)
 
 
@@ -174,11 +234,13 @@ async def _stream(
     client: EngineClient,
     outputs: AsyncIterator[Item],
     timers: list[RequestTimer],
+    tools: ToolPlan,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     model = client.served_model_name
     started = [False] * plan.num_choices
     finals = {}
+    tool_streams = [ToolStream(tools, client.tool_parser) for _ in range(plan.num_choices)]
 
     def chunk(choices: list[ChatStreamChoice]) -> str:
         return _chunk_event(
@@ -198,6 +260,10 @@ async def _stream(
                 logprobs = chat_logprobs(client, out.new_logprobs)
             if out.finished:
                 finals[k] = out
+            if tools.active:
+                for event in _tool_events(k, out, logprobs, tool_streams[k]):
+                    yield chunk([event])
+                continue
             if not (out.new_text or logprobs or out.finished):
                 continue
             delta = DeltaMessage(content=out.new_text or None)

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.request import RequestOutput, TokenLogprob
+from server.constraints import request_constraint
 from server.engine_client import EngineClient
 from server.errors import APIError
 from server.metrics import RequestTimer, ServerMetrics
@@ -81,6 +82,7 @@ async def serve_completion(
             f"best_of={req.best_of} > n={req.n or 1} is not supported; best_of may only equal n",
             param="best_of",
         )
+    grammar = request_constraint(req)
     # Normalise the four prompt shapes into a list of texts or token-id lists.
     prompt = req.prompt
     items: list[str] | list[list[int]]
@@ -108,7 +110,14 @@ async def serve_completion(
 
     max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
     plan = make_plan(
-        client, req, random_id("cmpl"), prompt_ids, lambda _: max_tokens, req.logprobs, "prompt"
+        client,
+        req,
+        random_id("cmpl"),
+        prompt_ids,
+        lambda _: max_tokens,
+        req.logprobs,
+        "prompt",
+        grammar,
     )
     gen = start_generation(client, plan)
     timers = make_timers(metrics, start, plan.num_choices)

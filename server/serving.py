@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from engine.grammar_spec import GrammarSpec
 from engine.request import RequestOutput, SamplingParams
 from server.engine_client import EngineClient, translate_engine_error
 from server.errors import APIError, error_json, internal_error
@@ -126,11 +127,15 @@ def make_plan(
     max_tokens: Callable[[list[int]], int],
     logprobs: int | None,
     prompt_param: str,
+    grammar: GrammarSpec | None = None,
 ) -> Plan:
     """Validate once per prompt up front, so a bad field fails before anything is queued.
 
     The samples of one prompt differ only in their seed: they share one validated
     SamplingParams (and its stop-id set) rather than each building and checking a copy.
+
+    ``grammar``: the output constraint every choice follows (each engine request gets
+    its own matcher; the spec itself is shared).
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
     stop_token_ids = frozenset(req.stop_token_ids or ())
@@ -143,6 +148,7 @@ def make_plan(
             vocab_size=client.vocab_size,
             stop_token_ids=stop_token_ids,
         )
+        base.grammar = grammar
         client.validate(prompt, base, prompt_param)
         for sample in range(plan.n):
             if req.seed is None:

@@ -54,6 +54,9 @@ class FakeEngine:
         self.calls: list[tuple[str, SamplingParams]] = []
         self.seen: set[tuple[int, ...]] = set()
         self.shutdown_called = False
+        # A canned reply (one token per byte) instead of "abc...": what a model would write.
+        self.reply: str | None = None
+        self.prompts: list[list[int]] = []
 
     def start(self) -> None:
         self.alive = True
@@ -79,6 +82,7 @@ class FakeEngine:
         if self.overloaded:
             raise EngineOverloadedError("server overloaded: 9 requests waiting; retry later")
         self.calls.append((request_id, params))
+        self.prompts.append(list(prompt_ids))
         cached = len(prompt_ids) - 1 if tuple(prompt_ids) in self.seen else 0
         self.seen.add(tuple(prompt_ids))
         self.running[request_id] = len(prompt_ids)
@@ -86,17 +90,25 @@ class FakeEngine:
         ids: list[int] = []
         lps: list[TokenLogprob] = []
         text = ""
+        reply = None if self.reply is None else self.reply.encode("utf-8")
         try:
             for i in range(params.max_tokens):
                 await asyncio.sleep(self.step_delay)
-                token = 3 + ord("a") + i % 26
+                if reply is None:
+                    token = 3 + ord("a") + i % 26
+                    new = chr(ord("a") + i % 26)
+                else:
+                    token = 3 + reply[i]
+                    # A partial UTF-8 character shows up once it is complete.
+                    new = reply[: i + 1].decode("utf-8", errors="ignore")[len(text) :]
                 ids.append(token)
-                new = chr(ord("a") + i % 26)
                 text += new
                 self.running[request_id] += 1
                 lp = TokenLogprob(token, -0.25, {token: -0.25, token + 1: -2.0})
                 lps.append(lp)
                 reason = "length" if i == params.max_tokens - 1 else None
+                if reply is not None and i == len(reply) - 1:
+                    reason = "stop"
                 for stop in params.stop:
                     if text.endswith(stop):
                         text, new, reason = text[: -len(stop)], "", "stop"

@@ -53,9 +53,11 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None]] = [
         400,
         "messages.0.content.0",
     ),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    (CMPL, {"prompt": "x", "regex": "(a"}, 400, "regex"),
+    (CHAT, {"messages": USER, "guided_json": {"type": "nosuchtype"}}, 400, "guided_json"),
     (CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
 ]
 

@@ -1,0 +1,1 @@
+"""Tool calling: definitions and constraints, model output parsers, tool prompts."""

@@ -1,0 +1,141 @@
+"""From a finished (or growing) reply to OpenAI's ``message.tool_calls`` and stream deltas.
+
+finish_reason rules (OpenAI's, as vLLM applies them): ``tool_calls`` when calls were made
+under "auto" or "required", ``stop`` for a named function, and ``length`` (with the raw
+text as content, never a call) when the reply was cut.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass
+
+from server.protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from server.tools.definitions import ToolPlan, arguments_text
+from server.tools.parsers import ParsedCall, ToolCallParser
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    content: str | None
+    calls: list[ParsedCall]
+    finish_reason: str | None
+
+
+def finish_tools(
+    plan: ToolPlan, parser: ToolCallParser, text: str, finish_reason: str | None
+) -> ToolOutcome:
+    """The message a finished reply stands for under ``plan``."""
+    if finish_reason != "stop":
+        return ToolOutcome(text, [], finish_reason)
+    if plan.mode == "named":
+        assert plan.named is not None
+        return ToolOutcome(None, [ParsedCall(plan.named, _normalised(text))], "stop")
+    if plan.mode == "required":
+        calls = _required_calls(text)
+        if calls:
+            return ToolOutcome(None, calls, "tool_calls")
+        return ToolOutcome(text, [], finish_reason)
+    result = parser.parse(text, [t.name for t in plan.tools])
+    if result.calls:
+        return ToolOutcome(result.content, result.calls, "tool_calls")
+    return ToolOutcome(text, [], finish_reason)
+
+
+def _normalised(arguments: str) -> str:
+    try:
+        return arguments_text(json.loads(arguments))
+    except ValueError:
+        return arguments
+
+
+def _required_calls(text: str) -> list[ParsedCall]:
+    """The ``[{"name", "parameters"}, ...]`` array the required-call schema produces."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return []
+        calls.append(ParsedCall(item["name"], arguments_text(item.get("parameters", {}))))
+    return calls
+
+
+def tool_calls_of(calls: list[ParsedCall]) -> list[ToolCall]:
+    return [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+def tool_call_deltas(calls: list[ParsedCall]) -> list[list[DeltaToolCall]]:
+    """Stream fragments of ``calls``: per call, one delta with its id and name, then one with
+    its arguments. Concatenating the fragments of each index gives the call back."""
+    deltas = []
+    for index, call in enumerate(calls):
+        deltas.append(
+            [
+                DeltaToolCall(
+                    index=index,
+                    id=new_call_id(),
+                    type="function",
+                    function=DeltaFunctionCall(name=call.name, arguments=""),
+                )
+            ]
+        )
+        deltas.append(
+            [DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]
+        )
+    return deltas
+
+
+class ToolStream:
+    """One choice's reply as it streams: content goes out as soon as it cannot be a call.
+
+    NOTE: what ``feed`` emits is always a prefix of the content ``finish`` settles on, so
+    the streamed deltas reassemble to the non-streamed message.
+    """
+
+    def __init__(self, plan: ToolPlan, parser: ToolCallParser) -> None:
+        self.plan = plan
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of content already streamed
+
+    def feed(self, new_text: str) -> str:
+        """Content that can be streamed now."""
+        self.text += new_text
+        if self.plan.mode != "auto":
+            return ""  # the whole reply is the call(s): held until it is complete
+        end = self.parser.content_end(self.text)
+        if end <= self.sent:
+            return ""
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
+
+    def finish(self, finish_reason: str | None) -> tuple[str, ToolOutcome]:
+        """(content still to stream, the outcome) once the reply is complete."""
+        outcome = finish_tools(self.plan, self.parser, self.text, finish_reason)
+        content = outcome.content or ""
+        streamed = self.text[: self.sent]
+        if not content.startswith(streamed):  # cannot happen if content_end is right
+            raise RuntimeError("tool-call stream emitted content the final parse disowned")
+        return content[self.sent :], outcome
