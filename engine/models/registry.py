@@ -6,7 +6,9 @@ from typing import Any
 
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Llama, SmolLM (a Llama), Qwen2, Mistral and Phi-3 share one implementation.
 _ARCHITECTURES: dict[str, type] = {
@@ -17,6 +19,8 @@ _ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 _MODEL_TYPES: dict[str, type] = {
     "llama": LlamaForCausalLM,
@@ -26,6 +30,8 @@ _MODEL_TYPES: dict[str, type] = {
     "qwen3": Qwen3ForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

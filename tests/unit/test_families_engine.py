@@ -1,6 +1,6 @@
 """The new families through the whole engine with HiCache on: a sliding-window,
-soft-capped model (Gemma 2) gives HF's greedy tokens while
-its KV is evicted to the host tier and loaded back."""
+soft-capped model (Gemma 2) and an MoE model (Mixtral) give HF's greedy tokens while
+their KV is evicted to the host tier and loaded back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers import Gemma2Config
+from transformers import Gemma2Config, MixtralConfig
 
 from engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import TOKENIZER_FILES
@@ -34,6 +34,9 @@ CONFIGS = {
     # Windows of 16 against conversations of 40..100 tokens.
     "gemma2": lambda: Gemma2Config(
         **_COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=16
+    ),
+    "mixtral": lambda: MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=16
     ),
 }
 

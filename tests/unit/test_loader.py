@@ -25,7 +25,9 @@ from engine.loader import (
 )
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.registry import get_model_class
 from tests.unit.model_driver import GreedyDriver
 
@@ -258,6 +260,8 @@ def test_registry_picks_by_architecture_or_model_type() -> None:
         assert get_model_class(config) is LlamaForCausalLM
     families = {
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
         "Gemma2ForCausalLM": GemmaForCausalLM,
         "Gemma3ForCausalLM": GemmaForCausalLM,
     }

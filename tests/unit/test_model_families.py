@@ -1,7 +1,7 @@
-"""Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 against HF transformers.
+"""Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, Mixtral and Qwen3-MoE against HF transformers.
 
 Each family is a tiny random-weight model built from transformers' own config class and
-saved with save_pretrained (one as a sharded checkpoint with its index file). Windows
+saved with save_pretrained (Mixtral as a sharded checkpoint with its index file). Windows
 are small (6-7 tokens) so the 3..21-token prompts and 10 new tokens cross them. Greedy
 tokens must equal HF ``generate`` exactly for batched prompts of different lengths,
 chunked prefill and prefix-cache hits; logits and top-N logprobs must match HF's.
@@ -19,8 +19,10 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engine.layers.windowed_attention import WindowedAttentionBackend
@@ -59,7 +61,7 @@ CASES: dict[str, Callable[[], Any]] = {
         sliding_window=6,
         max_window_layers=1,
     ),
-    "mistral_window_sharded": lambda: MistralConfig(**_COMMON, sliding_window=6),
+    "mistral_window": lambda: MistralConfig(**_COMMON, sliding_window=6),
     "phi3_window": lambda: Phi3Config(**_COMMON, sliding_window=7),
     "gemma2": lambda: Gemma2Config(
         **_COMMON,
@@ -79,6 +81,19 @@ CASES: dict[str, Callable[[], Any]] = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
+    ),
+    "mixtral_sharded": lambda: MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+    ),
+    # Layer 0 routed (without renormalising the top-k weights), layer 1 dense.
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
     ),
 }
 BACKENDS = ("torch", "cpu_native")
@@ -192,7 +207,7 @@ def test_layers_use_the_windowed_backend_where_the_config_asks(tiny: Any) -> Non
         assert windows == [config.sliding_window] * 2
 
 
-@pytest.mark.parametrize("case", ["phi3_window", "gemma3"])
+@pytest.mark.parametrize("case", ["mixtral_sharded", "qwen3_moe", "phi3_window", "gemma3"])
 @torch.inference_mode()
 def test_transformers_state_dict_layout_loads(case: str, tmp_path: Any) -> None:
     # A GGUF model is converted by saving transformers' in-memory state dict (see
@@ -205,6 +220,8 @@ def test_transformers_state_dict_layout_loads(case: str, tmp_path: Any) -> None:
     ).eval()
     randomize(hf_model, seed=11)
     state = hf_model.state_dict()
+    if "moe" in case or "mixtral" in case:
+        assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = {k: v.contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
     config.architectures = [type(hf_model).__name__]
