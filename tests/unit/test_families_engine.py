@@ -65,6 +65,7 @@ def family(
     return hf_model, path
 
 
+@pytest.mark.slow  # 6-12 s alone, up to 27 s next to the rest of the suite on 2 cores
 def test_hicache_load_back_keeps_hf_greedy_output(family: tuple[Any, Path]) -> None:
     hf_model, path = family
     engine = Engine(

@@ -232,3 +232,27 @@ def test_transformers_state_dict_layout_loads(case: str, tmp_path: Any) -> None:
     expected = hf_model(torch.tensor([prompt])).logits[0]
     ours = GreedyDriver(model).prefill_logits(prompt)
     torch.testing.assert_close(ours, expected, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+
+
+def test_configs_hiserve_cannot_serve_are_refused_clearly() -> None:
+    from engine.models.gemma import GemmaForCausalLM
+    from engine.models.layer_attention import layer_types
+
+    encoder = Gemma3TextConfig(**_COMMON, head_dim=16, use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        GemmaForCausalLM(encoder)
+    chunked = Qwen3Config(**_COMMON, head_dim=16, sliding_window=4)
+    chunked.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
+        layer_types(chunked)
+    longrope = Phi3Config(**_COMMON)
+    longrope.rope_parameters = {"rope_type": "longrope", "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="longrope"):
+        _build_on_meta(longrope)
+
+
+def _build_on_meta(config: Any) -> Any:
+    from engine.models.registry import get_model_class
+
+    with torch.device("meta"):
+        return get_model_class(config)(config)
