@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,14 @@ logger = logging.getLogger(__name__)
 # oneDNN picks the packed layout for this batch size; any batch still works. 4 measured
 # best overall for decode at batch 1 and 32 (SmolLM2-135M shapes, 2-core x86 CPU).
 _PACK_BATCH_HINT = 4
+# load_shard's shard index for a checkpoint tensor that holds every shard at once.
+ALL_SHARDS = -1
+# GatedMLP activations by HF ``hidden_act`` / ``hidden_activation`` name.
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 def _onednn_linear_available() -> bool:
@@ -53,11 +61,31 @@ class FusedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def shard_keys(self, kind: str) -> list[int]:
+        """The shards ``load_shard`` must fill for parameter ``kind`` (weight or bias)."""
+        return list(range(len(self.output_sizes)))
+
+    def load_param(self, kind: str, shard: int, weight: torch.Tensor) -> None:
+        """``load_shard`` for parameter ``kind`` (``weight`` or ``bias``): the loader's entry."""
+        self.load_shard(shard, weight, is_bias=kind == "bias")
+
     def load_shard(self, shard: int, weight: torch.Tensor, is_bias: bool = False) -> None:
-        """Copy an HF weight ``[out_i, in]`` (or bias ``[out_i]``) into shard ``shard``."""
+        """Copy an HF weight ``[out_i, in]`` (or bias ``[out_i]``) into shard ``shard``;
+        ``ALL_SHARDS``: a checkpoint that already stores them fused (Phi-3's qkv_proj)."""
         target = self.bias if is_bias else self.weight
         if target is None:
             raise ValueError("this layer has no bias, but the checkpoint provides one")
+        if shard == ALL_SHARDS:
+            expected_all = (
+                (self.out_features,) if is_bias else (self.out_features, self.in_features)
+            )
+            if tuple(weight.shape) != expected_all:
+                raise ValueError(
+                    f"fused checkpoint shape {tuple(weight.shape)} != expected {expected_all}"
+                )
+            with torch.no_grad():
+                target.copy_(weight)
+            return
         start, size = self.offsets[shard], self.output_sizes[shard]
         expected = (size,) if is_bias else (size, self.in_features)
         if tuple(weight.shape) != expected:
@@ -101,12 +129,29 @@ class FusedLinear(nn.Module):
         )
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate/up in one matmul."""
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gate activation called ``name`` in a HF config; a clear error for others."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(
+            f"activation {name!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}"
+        )
+    return _ACTIVATIONS[name]
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+
+class GatedMLP(nn.Module):
+    """Gated feed-forward ``down(act(gate(x)) * up(x))`` with gate/up in one matmul
+    (SwiGLU with silu; GeGLU for Gemma)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: str = "silu",
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.act = activation_fn(activation)
         self.gate_up_proj = FusedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
         self.down_proj = FusedLinear(intermediate_size, [hidden_size], bias)
 
@@ -114,4 +159,4 @@ class GatedMLP(nn.Module):
         size = self.intermediate_size
         gate_up = self.gate_up_proj.forward(x)  # [num_tokens, 2 * intermediate]
         # [num_tokens, intermediate] -> [num_tokens, hidden]
-        return self.down_proj.forward(F.silu(gate_up[:, :size]) * gate_up[:, size:])
+        return self.down_proj.forward(self.act(gate_up[:, :size]) * gate_up[:, size:])

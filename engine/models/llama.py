@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over the paged KV pool."""
+"""Llama-family decoder (Llama, SmolLM, Qwen2, Mistral, Phi-3) over the paged KV pool.
+
+The other families (Qwen3, Gemma, the MoE models) subclass these classes and override the
+hooks: ``norm_qk`` (per-head q/k norms), ``make_mlp`` (experts), ``decoder_layer_cls``.
+"""
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -14,14 +17,14 @@ from torch import nn
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.layers.attention import AttentionBackend, get_attention_backend
 from engine.layers.attention_meta import AttentionMetadata
-from engine.layers.linear import FusedLinear, GatedMLP
+from engine.layers.linear import ALL_SHARDS, FusedLinear, GatedMLP
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, read_rope_params
-
-logger = logging.getLogger(__name__)
+from engine.models.layer_attention import layer_backends
+from engine.models.weights import load_named_weights
 
 # HF name inside a layer -> (our module path, shard index)
-_STACKED = {
+STACKED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
@@ -29,8 +32,11 @@ _STACKED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", 0),
     "self_attn.o_proj": ("self_attn.o_proj", 0),
+    # Phi-3 checkpoints store q/k/v and gate/up already fused.
+    "self_attn.qkv_proj": ("self_attn.qkv_proj", ALL_SHARDS),
+    "mlp.gate_up_proj": ("mlp.gate_up_proj", ALL_SHARDS),
 }
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -79,7 +85,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(hidden).view(
             num_tokens, qk_heads + self.kv_heads, self.head_dim
         )
-        qk = apply_rotary(qkv[:, :qk_heads], cos, sin)  # [T, q_heads + kv_heads, head_dim]
+        # [T, q_heads + kv_heads, head_dim]
+        qk = apply_rotary(self.norm_qk(qkv[:, :qk_heads]), cos, sin)
         attn = self.attn_backend.forward(
             qk[:, : self.q_heads],  # [T, q_heads, head_dim]
             qk[:, self.q_heads :],  # [T, kv_heads, head_dim]
@@ -90,17 +97,27 @@ class LlamaAttention(nn.Module):
         )  # [T, q_heads * head_dim]
         return self.o_proj.forward(attn)
 
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Hook before RoPE on ``[T, q_heads + kv_heads, head_dim]``; Llama has none."""
+        return qk
+
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: attention then SwiGLU MLP, residual carried between layers."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
         eps = float(hf_config.rms_norm_eps)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = LlamaAttention(hf_config, layer_id, attn_backend)
+        self.self_attn = self.attention_cls(hf_config, layer_id, attn_backend)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = GatedMLP(
+        self.mlp = self.make_mlp(hf_config, layer_id)
+
+    def make_mlp(self, hf_config: Any, layer_id: int) -> nn.Module:
+        """The feed-forward of layer ``layer_id`` (``forward(x [T, hidden]) -> [T, hidden]``)."""
+        return GatedMLP(
             hf_config.hidden_size,
             hf_config.intermediate_size,
             bias=bool(getattr(hf_config, "mlp_bias", False)),
@@ -128,20 +145,23 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, hf_config: Any, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, hf_config: Any, layer_cls: type[nn.Module], backends: list[AttentionBackend]
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Parameter(
             torch.empty(hf_config.vocab_size, hf_config.hidden_size), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, attn_backend)
-            for i in range(hf_config.num_hidden_layers)
+            layer_cls(hf_config, i, backend) for i, backend in enumerate(backends)
         )
         self.norm = RMSNorm(hf_config.hidden_size, float(hf_config.rms_norm_eps))
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a flattened batch of new tokens and a paged KV pool."""
+
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
@@ -154,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
             getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         )
         self.vocab_size = int(hf_config.vocab_size)
-        self.model = LlamaModel(hf_config, self.attn_backend)
+        self.model = LlamaModel(hf_config, self.decoder_layer_cls, self.layer_backends(hf_config))
         self.rotary = RotaryEmbedding(self.head_dim, read_rope_params(hf_config))
         # Untied models own an lm_head; tied ones multiply by the embedding table (on CPU
         # pack_for_cpu may add a packed copy of it).
@@ -163,22 +183,10 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else FusedLinear(hf_config.hidden_size, [self.vocab_size])
         )
-        self._warn_unsupported(hf_config)
 
-    @staticmethod
-    def _warn_unsupported(hf_config: Any) -> None:
-        window = getattr(hf_config, "sliding_window", None)
-        uses_window = window is not None and (
-            getattr(hf_config, "model_type", "") != "qwen2"
-            or bool(getattr(hf_config, "use_sliding_window", False))
-        )
-        if uses_window:
-            logger.warning(
-                "sliding_window=%s is not implemented: attention is full; outputs differ "
-                "from the reference beyond %s tokens of context",
-                window,
-                window,
-            )
+    def layer_backends(self, hf_config: Any) -> list[AttentionBackend]:
+        """Attention per layer: the shared backend, windowed where the config asks."""
+        return layer_backends(hf_config, self.attn_backend)
 
     def forward(
         self,
@@ -209,39 +217,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters; raise on missing or unknown names."""
-        params = dict(self.named_parameters())
-        linears = {n: m for n, m in self.named_modules() if isinstance(m, FusedLinear)}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            target = self._map_name(name)
-            if target is None:
-                continue
-            param_name, shard = target
-            module_name, _, kind = param_name.rpartition(".")
-            linear = linears.get(module_name)
-            if linear is not None:
-                linear.load_shard(shard, tensor, is_bias=kind == "bias")
-                loaded.add(f"{param_name}#{shard}")
-                continue
-            param = params.get(param_name)
-            if param is None:
-                unexpected.append(name)
-                continue
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(param_name)
-        if unexpected:
-            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:8]}")
-        missing = sorted(self._expected_names(linears) - loaded)
-        if missing:
-            raise ValueError(f"weights missing from checkpoint: {missing[:8]}")
+        load_named_weights(self, weights, self.map_name)
 
-    def _map_name(self, name: str) -> tuple[str, int] | None:
+    def map_name(self, name: str) -> tuple[str, Any] | None:
         """HF name -> (our parameter name, shard index); None for names to skip."""
         if "rotary_emb.inv_freq" in name:
             return None
@@ -249,24 +227,13 @@ class LlamaForCausalLM(nn.Module):
             return "model.embed_tokens", 0
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: the embedding is the output projection
-        match = _LAYER_NAME.match(name)
+        match = LAYER_NAME.match(name)
         if match:
             layer, sub, kind = match.groups()
-            if sub in _STACKED:
-                module, shard = _STACKED[sub]
+            if sub in STACKED:
+                module, shard = STACKED[sub]
                 return f"model.layers.{layer}.{module}.{kind}", shard
         return name, 0
-
-    def _expected_names(self, linears: dict[str, FusedLinear]) -> set[str]:
-        names: set[str] = set()
-        for pname, _ in self.named_parameters():
-            module_name, _, _ = pname.rpartition(".")
-            linear = linears.get(module_name)
-            if linear is not None:
-                names.update(f"{pname}#{i}" for i in range(len(linear.output_sizes)))
-            else:
-                names.add(pname)
-        return names
 
     def pack_for_cpu(self) -> int:
         """Switch every linear layer to oneDNN-packed weights (CPU only); returns how many.

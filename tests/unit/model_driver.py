@@ -116,14 +116,24 @@ class GreedyDriver:
         prompts: list[list[int]],
         max_new_tokens: int,
         prefill_chunk: int | None = None,
+        cached_prefix_len: int = 0,
     ) -> list[Generation]:
-        """Greedy-decode every prompt together; prefill in chunks of ``prefill_chunk`` tokens."""
-        if len(prompts) > self.max_rows:
+        """Greedy-decode every prompt together; prefill in chunks of ``prefill_chunk`` tokens.
+
+        ``cached_prefix_len``: the prompts share their first tokens; they are prefilled once
+        in a spare row and every prompt's row points at those KV slots (a prefix-cache hit),
+        so only the rest of each prompt is computed.
+        """
+        if len(prompts) + (cached_prefix_len > 0) > self.max_rows:
             raise ValueError("more prompts than request-table rows")
         # Rows in reverse order, so a backend that confuses batch index and row fails.
         rows = [self.max_rows - 1 - i for i in range(len(prompts))]
         results = [Generation() for _ in prompts]
         done = [0] * len(prompts)  # tokens already in the KV pool
+        prefix_slots = self._prefill_shared_prefix(prompts, cached_prefix_len)
+        for i, row in enumerate(rows):
+            self.req_table[row, :cached_prefix_len] = prefix_slots.to(self.req_table.device)
+            done[i] = cached_prefix_len
         chunk = prefill_chunk or max(len(p) for p in prompts)
         while any(d < len(p) for d, p in zip(done, prompts)):
             active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
@@ -141,10 +151,22 @@ class GreedyDriver:
                 done[i] += 1
                 r.logits.append(logits[i])
                 r.tokens.append(int(logits[i].argmax()))
-        # Hand the slots back so the driver can run again.
+        # Hand the slots back (the shared prefix once) so the driver can run again.
+        self._free_slots += prefix_slots.tolist()
         for i, row in enumerate(rows):
-            self._free_slots += self.req_table[row, : done[i]].tolist()
+            self._free_slots += self.req_table[row, cached_prefix_len : done[i]].tolist()
         return results
+
+    def _prefill_shared_prefix(self, prompts: list[list[int]], prefix_len: int) -> torch.Tensor:
+        """KV slots ``[prefix_len]`` of the prompts' common first ``prefix_len`` tokens."""
+        if prefix_len == 0:
+            return torch.empty(0, dtype=torch.int32)
+        prefix = prompts[0][:prefix_len]
+        if any(p[:prefix_len] != prefix or len(p) <= prefix_len for p in prompts):
+            raise ValueError("every prompt must extend the shared prefix")
+        row = 0  # the prompts use the last rows
+        self._step(False, [row], [prefix], [0])
+        return self.req_table[row, :prefix_len].clone()
 
     @torch.inference_mode()
     def prefill_logits(self, prompt: list[int]) -> torch.Tensor:

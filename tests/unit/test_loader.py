@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 from tokenizers import pre_tokenizers
-from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
 from engine import loader
 from engine.loader import (
@@ -23,7 +23,11 @@ from engine.loader import (
     load_tokenizer,
     resolve_model_path,
 )
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.registry import get_model_class
 from tests.unit.model_driver import GreedyDriver
 
@@ -249,12 +253,25 @@ def test_missing_or_unknown_weights_are_errors(tmp_path: Path) -> None:
 
 
 def test_registry_picks_by_architecture_or_model_type() -> None:
-    for config_cls in (LlamaConfig, Qwen2Config, MistralConfig):
+    for config_cls in (LlamaConfig, Qwen2Config, MistralConfig, Phi3Config):
         config = config_cls()
         assert get_model_class(config) is LlamaForCausalLM
         config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
         assert get_model_class(config) is LlamaForCausalLM
+    families = {
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
+        "Gemma2ForCausalLM": GemmaForCausalLM,
+        "Gemma3ForCausalLM": GemmaForCausalLM,
+    }
+    for architecture, model_cls in families.items():
+        assert get_model_class(type("Cfg", (), {"architectures": [architecture]})()) is model_cls
     gpt2 = GPT2Config()
     gpt2.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported architectures: Gemma2"):
         get_model_class(gpt2)
+    # A known model_type does not rescue an unknown architecture (e.g. a multimodal head).
+    multimodal = type("Cfg", (), {"architectures": ["LlamaForVision"], "model_type": "llama"})()
+    with pytest.raises(ValueError, match="LlamaForVision"):
+        get_model_class(multimodal)

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from engine.layers.rotary import compute_inv_freq, read_rope_params
 from engine.loader import load_model, load_tokenizer, resolve_model_path
+from tests.unit.hf_reference import hf_greedy, randomize
 from tests.unit.model_driver import GreedyDriver
 
 LOGIT_ATOL = 1e-4
@@ -75,21 +76,6 @@ def _single_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    # Large weights give well-separated logits, so greedy choices are not float noise;
-    # random norm weights and biases make forgetting any of them visible.
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(0.15 * noise)
-
-
 # Every case runs with the pure-PyTorch reference and with the native CPU decode kernel.
 BACKENDS = ("torch", "cpu_native")
 
@@ -104,7 +90,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     name, backend = request.param
     config = CASES[name]()
     hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _randomize(hf_model, seed=len(name))
+    randomize(hf_model, seed=len(name))
     if config.tie_word_embeddings:
         assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
     hf_model.generation_config.eos_token_id = None
@@ -118,19 +104,11 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return name, hf_model, model, prompts
 
 
-def _hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_batched_greedy_matches_hf(tiny: Any) -> None:
     _, hf_model, model, prompts = tiny
     ours = GreedyDriver(model).generate(prompts, MAX_NEW_TOKENS)
     for prompt, gen in zip(prompts, ours):
-        expected = _hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+        expected = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
         assert len(set(expected)) > 2, "degenerate reference; the check would be weak"
         assert gen.tokens == expected
 
@@ -140,7 +118,7 @@ def test_chunked_prefill_matches_hf(tiny: Any) -> None:
     # Chunks of 4: the 17-token prompt runs as extend passes with prefixes 4, 8, 12, 16.
     ours = GreedyDriver(model, seed=1).generate(prompts, MAX_NEW_TOKENS, prefill_chunk=4)
     for prompt, gen in zip(prompts, ours):
-        assert gen.tokens == _hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+        assert gen.tokens == hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
 
 
 def test_batched_equals_alone(tiny: Any) -> None:
@@ -232,7 +210,7 @@ def test_default_model_greedy_matches_hf(default_model_dir: Path, backend: str) 
     ours = GreedyDriver(model, max_rows=4, max_context=128).generate(prompts, 32)
     eos = tokenizer.eos_token_id
     for prompt, gen in zip(prompts, ours):
-        expected = _hf_greedy(hf_model, prompt, 32)
+        expected = hf_greedy(hf_model, prompt, 32)
         # HF stops at EOS; we do not (no stop logic here): compare up to its end.
         assert len(expected) == 32 or expected[-1] == eos
         assert gen.tokens[: len(expected)] == expected, tokenizer.decode(expected)

@@ -1,0 +1,124 @@
+"""Collectives for tensor parallelism: which process-group backend a device uses, which
+devices the ranks get, and starting the group.
+
+NOTE: the backend is chosen by the bare device type, never the raw string (``musa:0``
+uses the ``musa`` entry), the same rule as host allocation in engine/platform.py.
+Full ``--tp`` serving (sharded layers, rank workers) is not built yet; this module is
+its first piece.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.platform import DeviceSpec, ensure_backend_imported, parse_device
+
+logger = logging.getLogger(__name__)
+
+# Bare device type -> torch.distributed backend. ROCm's torch names RCCL "nccl".
+COLLECTIVE_BACKENDS = {
+    "cuda": "nccl",
+    "hip": "nccl",
+    "musa": "mccl",  # registered by torch_musa
+    "npu": "hccl",  # registered by torch_npu
+    "xpu": "xccl",
+    "cpu": "gloo",
+}
+# Out-of-tree backends register themselves when their device package is imported.
+_PROVIDED_BY = {"mccl": "torch_musa", "hccl": "torch_npu"}
+
+
+def collective_backend(device: str | torch.device | DeviceSpec) -> str:
+    """The process-group backend for ``device`` (``"musa:0"`` -> ``"mccl"``)."""
+    spec = parse_device(device)
+    if spec.type == "auto":
+        raise ValueError("resolve the 'auto' device before choosing a collective backend")
+    backend = COLLECTIVE_BACKENDS.get(spec.type)
+    if backend is None:
+        raise ValueError(
+            f"tensor parallelism is not available on device type {spec.type!r}: torch has no "
+            f"collective backend for it. Supported: "
+            f"{', '.join(f'{k} ({v})' for k, v in COLLECTIVE_BACKENDS.items())}; "
+            "use --tensor-parallel-size 1 there"
+        )
+    return backend
+
+
+def check_collective_backend(
+    device: str | torch.device | DeviceSpec,
+    is_available: Callable[[str], bool] = dist.is_backend_available,
+    import_device_backend: Callable[[str], None] = ensure_backend_imported,
+) -> str:
+    """``collective_backend(device)``, after checking this torch build can run it."""
+    spec = parse_device(device)
+    backend = collective_backend(spec)
+    import_device_backend(spec.type)  # torch_musa / torch_npu register mccl / hccl
+    if not is_available(backend):
+        package = _PROVIDED_BY.get(backend)
+        hint = f" (it comes with {package})" if package else ""
+        raise RuntimeError(
+            f"collective backend {backend!r} for device {str(device)!r} is not available in "
+            f"this torch build{hint}; install a build with {backend}, or use "
+            "--tensor-parallel-size 1"
+        )
+    return backend
+
+
+def rank_devices(
+    device: str | torch.device | DeviceSpec,
+    tp_size: int,
+    device_ids: Sequence[int] | None = None,
+    visible: int | None = None,
+) -> list[DeviceSpec]:
+    """The device of each rank: ``musa:0`` with ``tp_size=2`` -> ``musa:0``, ``musa:1``
+    (``musa:2`` -> 2, 3); ``device_ids`` gives the list explicitly. On the CPU every rank
+    is ``cpu``. ``visible``: how many devices of the type exist (checked when given)."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    spec = parse_device(device)
+    if spec.type == "auto":
+        raise ValueError("resolve the 'auto' device before placing tensor-parallel ranks")
+    if spec.type == "cpu":
+        return [spec] * tp_size
+    if device_ids is None:
+        first = spec.index or 0
+        ids = list(range(first, first + tp_size))
+    else:
+        ids = list(device_ids)
+        if len(ids) != tp_size:
+            raise ValueError(
+                f"{len(ids)} device ids given ({ids}) for tensor_parallel_size={tp_size}"
+            )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"device ids {ids} repeat a device; each rank needs its own")
+    if visible is not None and max(ids) >= visible:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} on {spec} needs {spec.type} devices {ids}, but "
+            f"only {visible} are visible; lower --tensor-parallel-size or pick other devices"
+        )
+    return [DeviceSpec(spec.type, i) for i in ids]
+
+
+def init_process_group(
+    device: str | torch.device | DeviceSpec,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    timeout_s: float = 600.0,
+) -> str:
+    """Join the tensor-parallel group as ``rank`` with the device's backend; returns it."""
+    backend = check_collective_backend(device)
+    logger.info("rank %d/%d joins the %s group at %s", rank, world_size, backend, init_method)
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return backend

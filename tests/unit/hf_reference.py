@@ -1,0 +1,31 @@
+"""HF transformers as the oracle for the model tests: random weights and greedy output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Large weights give well-separated logits, so greedy choices are not float noise;
+    random norm weights and biases make forgetting any of them visible."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(0.15 * noise)
+
+
+def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate(do_sample=False)`` on one prompt; the new tokens only."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
