@@ -60,8 +60,10 @@ def test_json_validates_for_many_seeds_under_retraction(engine: Engine) -> None:
     ]
     # Free requests in the same batches keep producing free text.
     params += [SamplingParams(max_tokens=40, temperature=1.0, seed=s) for s in (100, 101)]
+    # Distinct first lines: copies of one prompt would share its KV and not fill the pool.
+    prompts = [f"<|im_start|>system\nCase {i}.<|im_end|>\n{PROMPT}" for i in range(len(params))]
     try:
-        outs = engine.generate([PROMPT] * len(params), params)
+        outs = engine.generate(prompts, params)
     finally:
         engine.scheduler.new_token_ratio = 0.5
     assert engine.scheduler.num_retractions > retractions, "the pool was meant to force retraction"
