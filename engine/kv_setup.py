@@ -124,7 +124,7 @@ def build_kv(
     host_pool = None
     tree: RadixCache
     if config.enable_hierarchical_cache and config.enable_prefix_cache:
-        from engine.kvcache.hicache import build_hicache
+        from engine.kvcache.hicache_setup import build_hicache
 
         tree, host_pool = build_hicache(config, allocator, device_pool, spec, model_path)
     else:
