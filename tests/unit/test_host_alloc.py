@@ -15,7 +15,7 @@ from engine.host_alloc import alloc_host, host_alloc_method, pinned_size, pow2_c
 from engine.host_memory import HostMemoryError
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
-from engine.kvcache.hicache_setup import build_hicache
+from engine.kvcache.hicache_setup import build_hicache, fit_pinned_tokens
 from engine.kvcache.host_pool import HostKVPool
 from engine.platform import DeviceSpec
 from tests.unit.fake_backends import (
@@ -433,3 +433,34 @@ def test_host_tier_sized_from_hicache_size() -> None:
     ratio = EngineConfig(enable_hierarchical_cache=True, hicache_ratio=2.0)
     _, by_ratio = build_hicache(ratio, allocator, device_pool, DeviceSpec("cpu"))
     assert by_ratio.capacity == 2 * allocator.capacity
+
+
+@pytest.mark.parametrize(
+    ("tokens", "page", "method", "expected"),
+    [
+        (100, 4, "pageable", 100),  # exact allocations keep the request (whole pages)
+        (100, 4, "host_register", 100),
+        (100, 4, "pin_memory", 64),  # 6400 bytes would pin 8192: cut to the 4096 below
+        (128, 4, "pin_memory", 128),  # already a power of two
+        (3, 3, "pin_memory", 3),  # one page: nothing smaller exists
+    ],
+)
+def test_pinned_tiers_pin_exactly_their_size(
+    tokens: int, page: int, method: str, expected: int
+) -> None:
+    fitted = fit_pinned_tokens(tokens, 64, page, method)
+    assert fitted == expected
+    if method == "pin_memory" and fitted > page:
+        assert pinned_size(method, fitted * 64) == fitted * 64  # it pins what it uses
+        assert fitted <= tokens  # and no more than was asked for
+
+
+def test_build_hicache_fits_a_pin_memory_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import host_alloc
+
+    monkeypatch.setattr(host_alloc, "host_alloc_method", lambda *_: "pin_memory")
+    allocator = PageAllocator(16, 4)
+    device_pool = DeviceKVPool(2, allocator.num_slots, 1, 4, torch.float32, "cpu")
+    config = EngineConfig(enable_hierarchical_cache=True, hicache_size=6400 / 1e9)  # 100 tokens
+    _, host = build_hicache(config, allocator, device_pool, DeviceSpec("cpu"))
+    assert host.capacity == 64
