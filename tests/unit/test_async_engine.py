@@ -9,49 +9,18 @@ failure.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from engine.request import RequestOutput
+from tests.unit.stepped_engine import HANG_S, SteppedEngine
 
-HANG_S = 60.0  # a generation that should end but has not after this is a failure
 LONG = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
-
-
-class SteppedEngine(Engine):
-    """Engine whose loop can be paced, parked between steps, or made to crash."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
-        self.step_delay = 0.0
-        self.park = threading.Event()  # set: the next step waits until ``resume``
-        self.parked = threading.Event()
-        self.resume = threading.Event()
-        self.crash: BaseException | None = None
-        self.added: list[str] = []
-
-    def add_request(self, *args: Any, **kwargs: Any) -> str:
-        request_id = super().add_request(*args, **kwargs)
-        self.added.append(request_id)
-        return request_id
-
-    def step(self) -> list[RequestOutput]:
-        if self.park.is_set():
-            self.parked.set()
-            assert self.resume.wait(HANG_S), "never resumed"
-            self.park.clear()
-        if self.crash is not None:
-            raise self.crash
-        if self.step_delay:
-            # Pacing, not synchronisation: a request of LONG cannot end within a short grace.
-            threading.Event().wait(self.step_delay)
-        return super().step()
 
 
 def make_async(model_dir: Path, **overrides: Any) -> tuple[AsyncEngine, SteppedEngine]:
