@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from engine.config import EngineConfig
+from server.__main__ import uvicorn_config
 from server.app import create_app
 from server.args import ServerArgs
 from tests.integration.fake_engine import FakeEngine
@@ -249,9 +250,11 @@ def test_shutdown_grace_aborts_stragglers(tools: SimpleNamespace) -> None:
         holder.append(FakeEngine(config, step_delay=0.05))  # 200 tokens: ~10 s
         return holder[0]
 
-    srv = tools.ThreadServer(
-        create_app(_args(shutdown_grace=1.0), engine_factory=factory), timeout_graceful_shutdown=1.0
-    )
+    args = _args(shutdown_grace=1.0, log_level="warning")
+    app = create_app(args, engine_factory=factory)
+    # The server's own uvicorn settings: the grace comes from the arguments, as in main().
+    # (The real engine's side of the grace: test_server_engine_states.py.)
+    srv = tools.ThreadServer(app, config=uvicorn_config(app, args))
     with srv:
         assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
         first = threading.Event()
