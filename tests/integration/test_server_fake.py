@@ -187,11 +187,11 @@ def test_disconnect_aborts(fake: Fake, tools: SimpleNamespace) -> None:
         lines = resp.iter_lines()
         next(lines)
     assert tools.wait_until(lambda: len(engine.aborted) == 1, timeout=5)
-    started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.base_url + "/v1/completions", headers=_auth(), json=body, timeout=0.3)
+    # Aborted (recorded by the engine when a generation is closed before its end), not
+    # finished: no wall-clock bound needed to tell the two apart.
     assert tools.wait_until(lambda: len(engine.aborted) == 2, timeout=5)
-    assert time.monotonic() - started < 5
     assert not engine.running
 
 
@@ -278,11 +278,10 @@ def test_shutdown_grace_aborts_stragglers(tools: SimpleNamespace) -> None:
         reader = threading.Thread(target=stream)
         reader.start()
         assert first.wait(10)
-        started = time.monotonic()
         srv.server.should_exit = True  # what SIGTERM does
         reader.join(20)
         srv.thread.join(20)
-        assert time.monotonic() - started < 6
+        assert not srv.thread.is_alive()
     engine = holder[0]
     assert len(engine.aborted) == 1 and not engine.running
     assert engine.shutdown_called
