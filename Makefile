@@ -9,6 +9,11 @@ TORCH_PIN ?= torch==2.13.0
 XGRAMMAR_PIN ?= xgrammar==0.2.8
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# The suite runs in a shuffled order (modules, and tests within each module); the seed is
+# printed first, and `make test TEST_SEED=<seed>` replays that order.
+ifndef TEST_SEED
+TEST_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 
 .PHONY: setup serve test lint typecheck bench device-check clean
 
@@ -43,7 +48,8 @@ typecheck: setup
 test: setup
 	$(VENV)/bin/ruff check engine server bench tests
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q -ra tests
+	@echo "test order seed: $(TEST_SEED) (replay this order: make test TEST_SEED=$(TEST_SEED))"
+	$(VENV)/bin/pytest -q -ra --random-order-bucket=module --random-order-seed=$(TEST_SEED) tests
 
 bench: setup
 	$(PY) -m bench.offline

@@ -104,10 +104,12 @@ def server_flags(config: str, options: LaunchOptions) -> list[str]:
     return flags + list(options.extra_args)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _bound_socket() -> socket.socket:
+    """A socket bound to a free port, handed to the server as it is (``--fd``): a port
+    closed here and bound again by the server could be taken by another process between."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 _LIVE_SERVERS: set[LaunchedServer] = set()
@@ -125,7 +127,8 @@ class LaunchedServer:
     """A ``python -m server`` child on 127.0.0.1; a context manager that always stops it."""
 
     def __init__(self, config: str, options: LaunchOptions) -> None:
-        self.port = _free_port()
+        self._sock: socket.socket | None = _bound_socket()
+        self.port = int(self._sock.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.options = options
         self.command = [
@@ -136,6 +139,8 @@ class LaunchedServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--fd",
+            str(self._sock.fileno()),
             *server_flags(config, options),
         ]
         if options.api_key:
@@ -168,15 +173,25 @@ class LaunchedServer:
         with os.fdopen(fd, "wb") as log:
             # NOTE: its own session, so a Ctrl-C in the terminal reaches only this tool,
             # which then stops the server itself (and a server is never left behind).
-            self.process = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+            assert self._sock is not None, "a LaunchedServer starts once"
+            try:
+                self.process = subprocess.Popen(
+                    self.command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    pass_fds=(self._sock.fileno(),),
+                )
+            finally:
+                self._close_socket()  # the child owns it now
         _LIVE_SERVERS.add(self)
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def log_tail(self, lines: int = 15) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -212,6 +227,7 @@ class LaunchedServer:
         """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds."""
         process, self.process = self.process, None
         _LIVE_SERVERS.discard(self)
+        self._close_socket()
         if process is not None and process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)

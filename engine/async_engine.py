@@ -160,6 +160,17 @@ class AsyncEngine:
                 self._stats = engine.stats()
                 if outputs:
                     self._deliver(outputs)
+            # NOTE: commands queued before the stop still run (shutdown's aborts of the
+            # requests that outlived the grace), and any stream left gets a final
+            # output: no caller waits forever on a loop that is gone.
+            self._drain_inbox()
+            for request_id, stream in list(self._streams.items()):
+                del self._streams[request_id]
+                out = engine.abort(request_id)
+                final: RequestOutput | BaseException = (
+                    out if out is not None else EngineDeadError("the engine stopped")
+                )
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, final)
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop crashed")
             self._error = exc

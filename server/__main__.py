@@ -6,13 +6,29 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 
 from server.app import create_app
-from server.args import parse_args
+from server.args import ServerArgs, parse_args
+
+
+def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
+    """uvicorn settings from the server arguments. The HTTP side waits up to the grace
+    period for in-flight responses, then cancels them; the lifespan then gives the engine
+    the same grace (``AsyncEngine.shutdown``) before it aborts what is left."""
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,21 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(args, on_fatal=on_fatal)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, args))
+    # An inherited socket (--fd) is served as it is: no bind, so no window in which
+    # another process could take the port.
+    sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else None
     # uvicorn drains on SIGTERM (stop accepting, wait for in-flight responses up to the
     # grace period, then the lifespan shuts the engine down) and afterwards re-raises the
     # signal it caught. Absorb that re-raise, so a drained shutdown exits with status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     with contextlib.suppress(KeyboardInterrupt):  # SIGINT: uvicorn already drained
-        server.run()
+        server.run(sockets=sockets)
     return exit_code
 
 

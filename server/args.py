@@ -166,6 +166,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),
     FlagSpec(
+        "fd",
+        "serve on this inherited, already bound socket instead of --host/--port "
+        "(a supervisor or test that holds the port hands it over with no window to lose it)",
+        kind="int",
+        optional=True,
+    ),
+    FlagSpec(
         "api-key",
         "require 'Authorization: Bearer <key>' on /v1 and admin routes",
         kind="str",
@@ -226,6 +233,7 @@ class ServerArgs:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8000
+    fd: int | None = None
     api_key: str | None = None
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
@@ -242,6 +250,7 @@ class ServerArgs:
         out.update(
             host=self.host,
             port=self.port,
+            fd=self.fd,
             log_level=self.log_level,
             api_key="set" if self.api_key else "none",
             max_body_bytes=self.max_body_bytes,
@@ -374,6 +383,8 @@ def parse_args(
         _fail(parser, f"invalid engine configuration: {exc}")
     if not 0 <= values["port"] <= 65535:
         _fail(parser, f"--port must be in [0, 65535], got {values['port']}")
+    if values["fd"] is not None and values["fd"] < 0:
+        _fail(parser, f"--fd must be an open file descriptor (>= 0), got {values['fd']}")
     if values["max_body_bytes"] < 1024:
         _fail(parser, f"--max-body-bytes must be >= 1024, got {values['max_body_bytes']}")
     if values["shutdown_grace"] < 0:
@@ -384,6 +395,7 @@ def parse_args(
         engine=engine,
         host=values["host"],
         port=values["port"],
+        fd=values["fd"],
         api_key=values["api_key"] or None,
         log_level=values["log_level"],
         max_body_bytes=values["max_body_bytes"],

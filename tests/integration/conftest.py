@@ -38,9 +38,29 @@ READY_TIMEOUT_S = 300.0  # the first start converts the GGUF model (~20 s); then
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Racy (another process may take it before the
+    caller binds it): servers here get a bound socket instead (``bound_socket``)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def bound_socket() -> socket.socket:
+    """A TCP socket bound to a free port on 127.0.0.1, to hand to a server as it is."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def refuses_connections(base_url: str) -> bool:
+    """True once nothing listens at ``base_url`` any more."""
+    try:
+        httpx.get(base_url + "/health", timeout=2.0)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        pass
+    return False
 
 
 class ServerProcess:
@@ -53,7 +73,9 @@ class ServerProcess:
         api_key: str | None = API_KEY,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = free_port()
+        # NOTE: the server inherits this bound socket (--fd); no bind-close-rebind window.
+        sock = bound_socket()
+        self.port = int(sock.getsockname()[1])
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         args = [
@@ -65,6 +87,8 @@ class ServerProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--fd",
+            str(sock.fileno()),
             *(extra_args or []),
         ]
         if api_key:
@@ -72,9 +96,19 @@ class ServerProcess:
         self.log_path = log_path
         self.log = log_path.open("wb")  # closed in stop()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=full_env
-        )
+        try:
+            self.proc = subprocess.Popen(
+                args,
+                cwd=REPO,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                pass_fds=(sock.fileno(),),
+            )
+        finally:
+            # The child owns the socket now; our copy would keep the port accepting
+            # (queueing connections) after the server closed it.
+            sock.close()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -116,14 +150,24 @@ class ServerProcess:
 class ThreadServer:
     """An in-process app served by uvicorn in a background thread (fake-engine tests)."""
 
-    def __init__(self, app: Any, **config_kw: Any) -> None:
-        self.port = free_port()
+    def __init__(self, app: Any, config: uvicorn.Config | None = None, **config_kw: Any) -> None:
+        # NOTE: uvicorn serves this bound socket as it is; no bind-close-rebind window.
+        self.sock = bound_socket()
+        self.port = int(self.sock.getsockname()[1])
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", **config_kw
-        )
+        if config is None:
+            config = uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                **config_kw,
+            )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
@@ -137,6 +181,7 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        self.sock.close()
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
@@ -227,4 +272,6 @@ def tools() -> SimpleNamespace:
         wait_until=wait_until,
         metric_value=metric_value,
         free_port=free_port,
+        bound_socket=bound_socket,
+        refuses_connections=refuses_connections,
     )

@@ -23,13 +23,7 @@ from bench.workloads import WorkloadConfig, generate
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not ((REPO / "server" / "app.py").exists() and (REPO / "engine" / "engine.py").exists()),
-        reason="needs the server and the engine",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 # 4 clients x 3 rounds of 150-token user turns and 40-token synthetic assistant turns:
 # the longest prompt is 150 + 2 * (40 + 150) = 530 tokens; the working set ~2.1k tokens.

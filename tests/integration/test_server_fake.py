@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from engine.config import EngineConfig
+from server.__main__ import uvicorn_config
 from server.app import create_app
 from server.args import ServerArgs
 from tests.integration.fake_engine import FakeEngine
@@ -192,11 +193,11 @@ def test_disconnect_aborts(fake: Fake, tools: SimpleNamespace) -> None:
         lines = resp.iter_lines()
         next(lines)
     assert tools.wait_until(lambda: len(engine.aborted) == 1, timeout=5)
-    started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.base_url + "/v1/completions", headers=_auth(), json=body, timeout=0.3)
+    # Aborted (recorded by the engine when a generation is closed before its end), not
+    # finished: no wall-clock bound needed to tell the two apart.
     assert tools.wait_until(lambda: len(engine.aborted) == 2, timeout=5)
-    assert time.monotonic() - started < 5
     assert not engine.running
 
 
@@ -255,9 +256,11 @@ def test_shutdown_grace_aborts_stragglers(tools: SimpleNamespace) -> None:
         holder.append(FakeEngine(config, step_delay=0.05))  # 200 tokens: ~10 s
         return holder[0]
 
-    srv = tools.ThreadServer(
-        create_app(_args(shutdown_grace=1.0), engine_factory=factory), timeout_graceful_shutdown=1.0
-    )
+    args = _args(shutdown_grace=1.0, log_level="warning")
+    app = create_app(args, engine_factory=factory)
+    # The server's own uvicorn settings: the grace comes from the arguments, as in main().
+    # (The real engine's side of the grace: test_server_engine_states.py.)
+    srv = tools.ThreadServer(app, config=uvicorn_config(app, args))
     with srv:
         assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
         first = threading.Event()
@@ -281,11 +284,10 @@ def test_shutdown_grace_aborts_stragglers(tools: SimpleNamespace) -> None:
         reader = threading.Thread(target=stream)
         reader.start()
         assert first.wait(10)
-        started = time.monotonic()
         srv.server.should_exit = True  # what SIGTERM does
         reader.join(20)
         srv.thread.join(20)
-        assert time.monotonic() - started < 6
+        assert not srv.thread.is_alive()
     engine = holder[0]
     assert len(engine.aborted) == 1 and not engine.running
     assert engine.shutdown_called

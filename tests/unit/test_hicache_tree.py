@@ -99,20 +99,34 @@ def test_evicted_conversation_returns_from_host(policy):
 
 def test_below_threshold_is_recomputed():
     manager = make(12, 1, 64, "write_through", "layer_first", threshold=100)
+    tree: HiRadixCache = manager.tree  # type: ignore[assignment]
     req = Req("a", list(range(100, 110)) + [1], SamplingParams())
-    admit_and_compute(manager, req)
+    assert admit_and_compute(manager, req)
     manager.release(req)
-    manager.tree.evict(100)
+    assert tree.evict(100) == 11
+    # The conversation is on the host and nowhere else: a load-back was possible.
+    assert tree.cached_tokens == 0 and tree.host_cached_tokens == 11
+    assert tree.counters["backup_tokens_total"] == 11
+    match = tree.match_prefix(list(range(100, 110)), touch=False)
+    assert (match.device_len, match.host_len) == (0, 10)
     again = Req("b", list(range(100, 110)) + [2], SamplingParams())
     # The prefix IS on the host tier: only the threshold makes it recompute.
     assert manager.tree.host_cached_tokens == 11  # type: ignore[attr-defined]
     assert manager.match(again).host_len == 10
     manager.admit(again)
-    assert again.cached_host == 0 and again.prefix_len == 0
-    assert manager.tree.counters["loadback_tokens_total"] == 0  # type: ignore[attr-defined]
+    # 10 host tokens < threshold 100: recomputed, nothing copied back.
+    assert again.cached_host == 0 and again.cached_device == 0 and again.prefix_len == 0
+    assert tree.counters["loadback_tokens_total"] == 0
+    assert tree.cached_tokens == 0 and tree.host_cached_tokens == 11  # backups untouched
     manager.alloc(again, again.seq_len)
     manager.release(again)  # the recomputed KV revives the host-only nodes
-    check_shape(manager.tree)  # type: ignore[arg-type]
+    # The 10 shared tokens are on both tiers again (their backup reused, not copied a
+    # second time); the new last token is inserted and backed up.
+    assert tree.cached_tokens == 11 and tree.host_cached_tokens == 12
+    assert tree.counters["backup_tokens_total"] == 12
+    revived = tree.match_prefix(list(range(100, 110)), touch=False)
+    assert (revived.device_len, revived.host_len) == (10, 0)
+    check_shape(tree)
     manager.check_invariants([])
 
 

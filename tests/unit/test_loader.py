@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,10 +102,13 @@ def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert loader.default_cache_dir() == tmp_path
 
 
-def _fake_convert(calls: list[int]) -> Any:
+def _fake_convert(calls: list[int], both_at_lock: threading.Event | None = None) -> Any:
     def convert(gguf_path: Path, out_dir: Path) -> None:
         calls.append(1)
-        time.sleep(0.2)  # wide enough for the other thread to arrive meanwhile
+        if both_at_lock is not None:
+            # Hold the lock until the other caller has reached it too: the two overlap
+            # for certain, whatever the scheduler does.
+            assert both_at_lock.wait(20), "the second caller never reached the lock"
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             (out_dir / name).write_text(gguf_path.name)
 
@@ -117,7 +119,18 @@ def test_concurrent_conversions_publish_one_complete_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(loader, "convert_gguf", _fake_convert(calls))
+    arrivals: list[Path] = []
+    both_at_lock = threading.Event()
+    real_lock = loader._conversion_lock
+
+    def counting_lock(lock_path: Path) -> Any:
+        arrivals.append(lock_path)  # list.append is atomic under the GIL
+        if len(arrivals) == 2:
+            both_at_lock.set()
+        return real_lock(lock_path)
+
+    monkeypatch.setattr(loader, "_conversion_lock", counting_lock)
+    monkeypatch.setattr(loader, "convert_gguf", _fake_convert(calls, both_at_lock))
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     cache = tmp_path / "cache"

@@ -179,3 +179,22 @@ def test_summary_never_shows_the_key() -> None:
     assert "s3cret" not in repr(summary)
     assert summary["api_key"] == "set"
     assert set(EngineConfig.field_names()) <= set(summary)
+
+
+def test_inherited_socket_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args([], environ={}).fd is None
+    assert parse_args(["--fd", "7"], environ={}).fd == 7
+    assert parse_args([], environ={"HISERVE_FD": "5"}).fd == 5
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--fd", "-1"], environ={})
+    assert info.value.code == 2
+    assert "--fd must be an open file descriptor" in capsys.readouterr().err
+
+
+def test_uvicorn_gets_the_grace_period() -> None:
+    from server.__main__ import uvicorn_config
+
+    args = ServerArgs(engine=EngineConfig(), shutdown_grace=2.5, port=1234, log_level="error")
+    config = uvicorn_config(object(), args)
+    assert config.timeout_graceful_shutdown == 3  # whole seconds, never shorter
+    assert (config.port, config.log_level, config.lifespan) == (1234, "error", "on")
