@@ -39,14 +39,14 @@ serve: setup
 	$(PY) -m server --model default --host $(HOST) --port $(PORT)
 
 lint: setup
-	$(VENV)/bin/ruff check engine server bench tests
-	$(VENV)/bin/ruff format --check engine server bench tests
+	$(VENV)/bin/ruff check engine server bench tests docker
+	$(VENV)/bin/ruff format --check engine server bench tests docker
 
 typecheck: setup
 	$(VENV)/bin/mypy
 
 test: setup
-	$(VENV)/bin/ruff check engine server bench tests
+	$(VENV)/bin/ruff check engine server bench tests docker
 	$(VENV)/bin/mypy
 	@echo "test order seed: $(TEST_SEED) (replay this order: make test TEST_SEED=$(TEST_SEED))"
 	$(VENV)/bin/pytest -q -ra --random-order-bucket=module --random-order-seed=$(TEST_SEED) tests
