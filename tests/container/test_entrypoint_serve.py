@@ -27,12 +27,6 @@ STARTUP_TIMEOUT_S = 600.0
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> tuple[dict, list[int]]:
     """Poll /health until 200; return its JSON and the statuses seen before."""
     statuses: list[int] = []
@@ -53,7 +47,11 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> tuple[di
 
 
 def test_cpu_entrypoint_serves(tmp_path: Path) -> None:
-    port = free_port()
+    # NOTE: the server inherits this bound socket (--fd, passed through the entrypoint
+    # like any server flag): no window between finding a free port and binding it.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = int(sock.getsockname()[1])
     mount = tmp_path / "models"
     mount.mkdir()
     env = {
@@ -77,12 +75,14 @@ def test_cpu_entrypoint_serves(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            [sys.executable, str(ENTRYPOINT)],
+            [sys.executable, str(ENTRYPOINT), "--fd", str(sock.fileno())],
             env=env,
             cwd=ROOT,
             stdout=sink,
             stderr=subprocess.STDOUT,
+            pass_fds=(sock.fileno(),),
         )
+    sock.close()  # the server holds its own copy
     url = f"http://127.0.0.1:{port}"
     try:
         health, before = wait_healthy(url, proc, log)
