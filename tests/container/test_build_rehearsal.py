@@ -29,13 +29,21 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
-    return build((ROOT / "Dockerfile.musa").read_text(), make_base(tmp_path_factory.mktemp("img")))
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Image, list[dict]]:
+    """The rehearsed image, and the torch_musa imports recorded by the build itself
+    (taken right after it: later tests import it on purpose)."""
+    image = build((ROOT / "Dockerfile.musa").read_text(), make_base(tmp_path_factory.mktemp("img")))
+    return image, list(image.torch_musa_imports)
 
 
-@pytest.fixture(scope="module")
-def imports_during_build(image: Image) -> list[dict]:
-    return list(image.torch_musa_imports)
+@pytest.fixture
+def image(built: tuple[Image, list[dict]]) -> Image:
+    return built[0]
+
+
+@pytest.fixture
+def imports_during_build(built: tuple[Image, list[dict]]) -> list[dict]:
+    return built[1]
 
 
 def test_the_build_never_imports_torch_musa(image: Image, imports_during_build: list) -> None:

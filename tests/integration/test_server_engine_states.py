@@ -133,7 +133,10 @@ def test_loop_crash_reaches_requests_in_flight(
         # The stream already had its 200: the error arrives as an SSE event.
         assert rest and "error" in rest[-1], rest[-3:]
         assert rest[-1]["error"]["code"] == "engine_dead"
-        assert "device lost" in rest[-1]["error"]["message"]
+        # The cause stays in the server log, under the id the client is given.
+        message = rest[-1]["error"]["message"]
+        assert "the engine is not running (error id err-" in message, message
+        assert "device lost" not in message
         other.join(HANG_S)
         assert plain["status"] == 503 and plain["body"]["error"]["code"] == "engine_dead"
         health = httpx.get(s.srv.base_url + "/health")

@@ -72,6 +72,9 @@ class BlockingEngine:
     def stats(self) -> dict[str, float]:
         return {"waiting": 0}
 
+    def prepare_grammar(self) -> bool:
+        return False  # no grammar backend: structured outputs are refused
+
     def health(self) -> dict[str, Any]:
         return {}
 
