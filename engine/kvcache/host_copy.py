@@ -17,7 +17,7 @@ kernel, then moved by one DMA per host run (asynchronous from pinned memory).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -25,8 +25,18 @@ import torch
 from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 
-if TYPE_CHECKING:
-    from engine.kvcache.host_pool import HostKVPool
+
+class HostKVPool(Protocol):
+    """What the copies read of a host pool (kvcache/host_pool.py's HostKVPool).
+
+    NOTE: a protocol, not an import: host_pool uses this module, never the other way."""
+
+    kv_buffer: torch.Tensor  # [2, L, N, H, D] layer_first or [2, N, L, H, D] page_first
+    layout: str
+    num_layers: int
+    capacity: int
+    bytes_per_token: int
+
 
 # Below this mean run size, a DMA per run costs more in calls than it moves: the run is
 # gathered (load) or scattered (backup) on the CPU through one pinned buffer instead.

@@ -357,3 +357,15 @@ def test_host_pool_pins_for_musa(monkeypatch: pytest.MonkeyPatch) -> None:
     ]
     assert (host.method, host.pinned) == ("pin_memory", True)
     assert host.pinned_nbytes == host.nbytes == 256  # 8 tokens of 32 bytes: a power of two
+
+
+def test_copy_planning_does_not_import_the_pool() -> None:
+    # The dependency runs one way: host_pool uses host_copy, never the reverse (even for
+    # types), so the copies can be read and changed without the pool's allocation code.
+    import ast
+
+    import engine.kvcache.host_copy as host_copy
+
+    tree = ast.parse(open(host_copy.__file__).read())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "engine.kvcache.host_pool" not in modules
