@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,6 +367,6 @@ def test_copy_planning_does_not_import_the_pool() -> None:
 
     import engine.kvcache.host_copy as host_copy
 
-    tree = ast.parse(open(host_copy.__file__).read())
+    tree = ast.parse(Path(host_copy.__file__).read_text())
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "engine.kvcache.host_pool" not in modules
