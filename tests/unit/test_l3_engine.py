@@ -7,7 +7,10 @@ every step (``check_invariants``), across device, host and store traffic.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -276,3 +279,33 @@ def test_mooncake_master_killed_mid_run_changes_no_output(
         assert out.token_ids == reference[tuple(prompt)]
     engine.close()
     mooncake_cluster_gen.close()
+
+
+REPLICA = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from tests.unit.test_l3_engine import PARAMS, make_engine, prompts
+engine = make_engine(Path(sys.argv[2]), Path(sys.argv[3]))
+out = engine.generate(prompts(1, 30, seed=1), PARAMS)[0]
+engine.close()
+print(json.dumps({"tokens": out.token_ids, "storage": out.cached_tokens_storage}))
+"""
+
+
+@pytest.mark.slow
+def test_a_replica_process_hits_what_another_process_computed(
+    tiny_llama_dir: Path, tmp_path: Path, reference: dict
+) -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    runs = []
+    for _ in range(2):  # replica A computes and exits; replica B, a new process, hits
+        done = subprocess.run(
+            [sys.executable, "-c", REPLICA, root, str(tiny_llama_dir), str(tmp_path)],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    prompt = prompts(1, 30, seed=1)[0]
+    assert runs[0]["storage"] == 0 and runs[1]["storage"] == stored_len(prompt)
+    assert runs[0]["tokens"] == runs[1]["tokens"] == reference[tuple(prompt)]
