@@ -40,7 +40,7 @@ def store_settings(backend: str) -> Iterator[dict[str, object]]:
         return
     from bench.mooncake_local import Mooncake
 
-    cluster = Mooncake()
+    cluster = Mooncake(segment="2GB")  # the workload's pages must fit the holder
     try:
         yield {
             "hicache_storage_backend": "mooncake",

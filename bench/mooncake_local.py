@@ -24,7 +24,8 @@ def _port() -> int:
 class Mooncake:
     """mooncake_master with its HTTP metadata server, plus a holder of the pages."""
 
-    def __init__(self) -> None:
+    def __init__(self, segment: str = "64MB") -> None:
+        """``segment``: memory the holder gives the store for pages (e.g. "1GB")."""
         self.rpc, self.metrics, self.http, self.holder_port = (_port() for _ in range(4))
         self.master = f"127.0.0.1:{self.rpc}"
         self.metadata = f"http://127.0.0.1:{self.http}/metadata"
@@ -44,7 +45,7 @@ class Mooncake:
         self.procs.append(
             subprocess.Popen(
                 [str(bin_dir / "mooncake_client"), "--host=127.0.0.1",
-                 f"--port={self.holder_port}", "--global_segment_size=64MB",
+                 f"--port={self.holder_port}", f"--global_segment_size={segment}",
                  f"--master_server_address={self.master}", f"--metadata_server={self.metadata}",
                  "--protocol=tcp"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
