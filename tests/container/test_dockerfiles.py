@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.container.build_rehearsal import instructions
+
 ROOT = Path(__file__).resolve().parents[2]
 MUSA = ROOT / "Dockerfile.musa"
 CPU = ROOT / "docker" / "Dockerfile.cpu"
@@ -26,38 +28,23 @@ VENDOR_TORCH = ROOT / "docker" / "vendor_torch.py"
 MUSA_REPO = "registry.mthreads.com/mcconline/musa-pytorch-release-public:"
 
 
-def instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs with continuation lines joined and comments dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not pending and (not stripped or stripped.startswith("#")):
-            continue
-        if pending and stripped.startswith("#"):
-            continue
-        if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
-            continue
-        full = pending + stripped
-        pending = ""
-        keyword, _, args = full.partition(" ")
-        out.append((keyword.upper(), args.strip()))
-    return out
-
-
-def pip_installs(run_args: str) -> list[list[str]]:
-    """The argument lists of every `pip install` inside one RUN command."""
-    lexer = shlex.shlex(run_args, posix=True, punctuation_chars=True)
+def simple_commands(command: str) -> list[list[str]]:
+    """The simple commands of a shell line, leading VAR=value assignments dropped."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     commands: list[list[str]] = [[]]
     for token in lexer:
         if token in ("&&", "||", ";", "(", ")", "|"):
             commands.append([])
-        else:
+        elif commands[-1] or not re.fullmatch(r"\w+=.*", token):
             commands[-1].append(token)
+    return commands
+
+
+def pip_installs(run_args: str) -> list[list[str]]:
+    """The argument lists of every `pip install` inside one RUN command."""
     found = []
-    for words in commands:  # `pip install`, `pip3 install`, `python -m pip install`
+    for words in simple_commands(run_args):  # pip / pip3 / python -m pip install
         for i in range(len(words) - 1):
             if re.fullmatch(r"(.*/)?pip3?", words[i]) and words[i + 1] == "install":
                 found.append(words[i + 2 :])
@@ -131,7 +118,7 @@ def runs_python_code(command: str) -> bool:
 
     ``pip`` and the stdlib-only build helpers (vendor_torch.py, find_python.sh) never do.
     """
-    for words in pip_installs_free_commands(command):
+    for words in simple_commands(command):
         if not words or not re.fullmatch(r"(.*/)?python3?", words[0]):
             continue
         rest = words[1:]
@@ -139,19 +126,6 @@ def runs_python_code(command: str) -> bool:
             continue
         return True
     return False
-
-
-def pip_installs_free_commands(command: str) -> list[list[str]]:
-    """The simple commands of a shell line, with leading VAR=value assignments dropped."""
-    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    commands: list[list[str]] = [[]]
-    for token in lexer:
-        if token in ("&&", "||", ";", "(", ")", "|"):
-            commands.append([])
-        elif commands[-1] or not re.fullmatch(r"\w+=.*", token):
-            commands[-1].append(token)
-    return commands
 
 
 def autoload_problems(steps: list[tuple[str, str]]) -> list[str]:
