@@ -72,12 +72,9 @@ class HiRadixCache(RadixCache):
         if node.host_value is not None or node.value is None:
             return node.host_value is not None
         n = len(node.key)
-        host_slots = self.host_pool.alloc(n)
+        host_slots = self._alloc_host(n)
         if host_slots is None:
-            self.evict_host(n)
-            host_slots = self.host_pool.alloc(n)
-            if host_slots is None:
-                return False
+            return False
         host_slots = host_slots[:n]
         handle = self.transfer.backup_async(node.value, host_slots)
         node.host_value = host_slots
@@ -296,6 +293,7 @@ class HiRadixCache(RadixCache):
         return len(tokens)
 
     def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        """Host slots for ``num_tokens``, evicting host-only leaves if short; None if full."""
         slots = self.host_pool.alloc(num_tokens)
         if slots is None:
             self.evict_host(num_tokens)
