@@ -132,26 +132,3 @@ def test_gpu_copies_run_on_side_streams_with_events(
     assert transfer.wait_all() == [load_handle] and load_handle.done()
     # The fake "device" pool lives on the CPU, so the data really moved.
     assert torch.equal(kv_of(device_pool, targets), expected)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_real_cuda_round_trip(layout: str) -> None:
-    spec = DeviceSpec("cuda", 0)
-    device_pool, host = make_pools("cuda", layout, pinned_device=spec)
-    assert host.pinned
-    transfer = KVTransfer(device_pool, host)
-    assert transfer.asynchronous and transfer.non_blocking
-    host_slots = host.alloc(16)
-    assert host_slots is not None
-    source = torch.randperm(40, device="cuda")[:16] + 1
-    expected = kv_of(device_pool, source)
-    transfer.backup_async(source, host_slots).wait()
-    targets = torch.arange(44, 60, device="cuda")
-    handle = transfer.load_async(host_slots, targets)
-    for layer in range(LAYERS):
-        handle.wait_layer(layer)
-    torch.cuda.synchronize()
-    assert handle.done()
-    assert torch.equal(kv_of(device_pool, targets), expected)
