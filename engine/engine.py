@@ -56,10 +56,10 @@ class Engine:
             self.hf_config, "max_position_embeddings", 2048
         )
         self.max_model_len = int(context)
-        self.served_model_name = config.served_model_name or _default_served_name(
+        self.served_model_name = config.served_model_name or loader.default_served_name(
             config.model, self.model_path
         )
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = loader.eos_token_ids_of(self.hf_config, self.tokenizer)
 
         self.kv: KVSetup = build_kv(
             config,
@@ -110,9 +110,6 @@ class Engine:
             config.page_size,
             self.max_model_len,
         )
-
-    def _eos_ids(self) -> set[int]:
-        return eos_token_ids_of(self.hf_config, self.tokenizer)
 
     # ------------------------------------------------------------------ input
     def tokenize(self, prompt: PromptType) -> list[int]:
@@ -386,23 +383,3 @@ class Engine:
     def close(self) -> None:
         self.grammars.close()
         self.kv.close()
-
-
-def eos_token_ids_of(hf_config: Any, tokenizer: Any) -> set[int]:
-    """Every token id the engine ends a request on: the config's and the tokenizer's EOS."""
-    ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return ids
-
-
-def _default_served_name(model: str, model_path: Path) -> str:
-    """What the API calls the model when --served-model-name is not given."""
-    if model == "default":
-        return "SmolLM2-135M-Instruct"
-    if model.endswith(".gguf"):
-        return Path(model).stem
-    return model_path.name

@@ -318,3 +318,23 @@ def load_model(
     ):
         model.pack_for_cpu()
     return model.eval()
+
+
+def eos_token_ids_of(hf_config: Any, tokenizer: Any) -> set[int]:
+    """Every token id the engine ends a request on: the config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return ids
+
+
+def default_served_name(model: str, model_path: Path) -> str:
+    """What the API calls the model when --served-model-name is not given."""
+    if model == "default":
+        return "SmolLM2-135M-Instruct"
+    if model.endswith(".gguf"):
+        return Path(model).stem
+    return model_path.name

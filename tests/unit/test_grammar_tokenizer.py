@@ -9,10 +9,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine.engine import eos_token_ids_of
 from engine.grammar import GrammarBackend, build_tokenizer_info
 from engine.grammar_spec import GrammarSpec
-from engine.loader import load_hf_config, load_tokenizer
+from engine.loader import eos_token_ids_of, load_hf_config, load_tokenizer
 
 
 @pytest.fixture(scope="module")

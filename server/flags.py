@@ -1,0 +1,217 @@
+"""The server's flag table: one row per command-line flag, the EngineConfig field it
+sets, and how its value is read (the same rules for the ``HISERVE_`` environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    HICACHE_HOST_ALLOC,
+    HICACHE_MEM_LAYOUTS,
+    HICACHE_PREFETCH_POLICIES,
+    HICACHE_STORAGE_BACKENDS,
+    HICACHE_WRITE_POLICIES,
+    SCHEDULE_POLICIES,
+)
+from server.tools.parsers import PARSER_NAMES
+
+ENV_PREFIX = "HISERVE_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+# Optional numbers also accept these words for "unset"; optional strings are unset when empty.
+NONE_WORDS = ("none", "null", "auto")
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One command-line flag: which EngineConfig field it sets (if any) and how."""
+
+    flag: str  # without the leading dashes
+    help: str
+    field: str | None = None  # EngineConfig field; None: a server-only flag
+    kind: str | None = None  # "str" | "int" | "float" | "bool"; None: from the field type
+    optional: bool = False  # accepts None ("none"); taken from the field type when set
+    default: Any = None  # server-only flags only
+    choices: tuple[str, ...] | None = None
+    invert: bool = False  # the flag sets the field to the opposite boolean
+
+    @property
+    def dest(self) -> str:
+        return self.flag.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+# NOTE: one row per flag; test_server_args asserts that every EngineConfig field has a row.
+FLAG_TABLE: tuple[FlagSpec, ...] = (
+    FlagSpec("model", "model directory, .gguf file, or 'default' (the embedded model)", "model"),
+    FlagSpec("served-model-name", "model name reported by the API", "served_model_name"),
+    FlagSpec("device", "cpu, cuda, cuda:1, musa:0, npu, xpu, mps or auto", "device"),
+    FlagSpec("dtype", "weight and KV precision", "dtype", choices=DTYPES),
+    FlagSpec(
+        "attention-backend",
+        "attention kernels (auto: native CPU decode for float32 on CPU, else torch)",
+        "attention_backend",
+        choices=ATTENTION_BACKENDS,
+    ),
+    FlagSpec("cache-dir", "where converted GGUF models are cached", "cache_dir"),
+    FlagSpec("seed", "seed of the engine's default random generator", "seed"),
+    FlagSpec("kv-cache-tokens", "device KV pool size in tokens", "kv_cache_tokens"),
+    FlagSpec("kv-mem-fraction", "fraction of free device memory for KV", "kv_mem_fraction"),
+    FlagSpec("page-size", "tokens per KV page", "page_size"),
+    FlagSpec(
+        "disable-radix-cache", "turn the prefix cache off", "enable_prefix_cache", invert=True
+    ),
+    FlagSpec(
+        "enable-hierarchical-cache", "enable the HiCache host tier", "enable_hierarchical_cache"
+    ),
+    FlagSpec("hicache-ratio", "host tier size as a multiple of the device pool", "hicache_ratio"),
+    FlagSpec("hicache-size", "host tier size in GB (overrides --hicache-ratio)", "hicache_size"),
+    FlagSpec(
+        "hicache-mem-layout",
+        "host buffer layout",
+        "hicache_mem_layout",
+        choices=HICACHE_MEM_LAYOUTS,
+    ),
+    FlagSpec(
+        "hicache-write-policy",
+        "when KV is backed up to the host tier",
+        "hicache_write_policy",
+        choices=HICACHE_WRITE_POLICIES,
+    ),
+    FlagSpec(
+        "hicache-host-alloc",
+        "how host tier memory is allocated",
+        "hicache_host_alloc",
+        choices=HICACHE_HOST_ALLOC,
+    ),
+    FlagSpec(
+        "hicache-load-threshold",
+        "host hits shorter than this are recomputed",
+        "hicache_load_threshold",
+    ),
+    FlagSpec(
+        "hicache-storage-backend",
+        "L3 store below the host tier, shared by replicas and kept across restarts",
+        "hicache_storage_backend",
+        choices=HICACHE_STORAGE_BACKENDS,
+    ),
+    FlagSpec("hicache-storage-dir", "directory of the file L3 backend", "hicache_storage_dir"),
+    FlagSpec(
+        "hicache-storage-size",
+        "GB the file L3 backend may use (least recently used pages go first)",
+        "hicache_storage_size",
+    ),
+    FlagSpec(
+        "hicache-storage-prefetch-policy",
+        "how long admission waits for L3 reads",
+        "hicache_storage_prefetch_policy",
+        choices=HICACHE_PREFETCH_POLICIES,
+    ),
+    FlagSpec(
+        "hicache-storage-prefetch-threshold",
+        "prompts continuing their cached prefix by fewer tokens skip L3",
+        "hicache_storage_prefetch_threshold",
+    ),
+    FlagSpec("hicache-mooncake-master", "host:port of mooncake_master", "hicache_mooncake_master"),
+    FlagSpec(
+        "hicache-mooncake-metadata-server",
+        "Mooncake metadata server (P2PHANDSHAKE or http://host:port/metadata)",
+        "hicache_mooncake_metadata_server",
+    ),
+    FlagSpec("max-running-requests", "most requests decoded together", "max_running_requests"),
+    FlagSpec("max-waiting-requests", "queue length before 503", "max_waiting_requests"),
+    FlagSpec("max-prefill-tokens", "most new prompt tokens per step", "max_prefill_tokens"),
+    FlagSpec("chunked-prefill-size", "prompt chunk size", "chunked_prefill_size"),
+    FlagSpec("schedule-policy", "order of admission", "schedule_policy", choices=SCHEDULE_POLICIES),
+    FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
+    FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
+    FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),
+    FlagSpec(
+        "max-logprobs",
+        "most logprobs / top_logprobs a request may ask for (vLLM's max_logprobs)",
+        "max_logprobs",
+    ),
+    FlagSpec(
+        "max-queued-outputs",
+        "outputs queued per stream for a slow reader before they are merged",
+        "max_queued_outputs",
+    ),
+    FlagSpec(
+        "stream-stall-timeout",
+        "seconds a stream's reader may take nothing before its request is ended",
+        "stream_stall_timeout",
+    ),
+    FlagSpec(
+        "grammar-compile-timeout",
+        "seconds a structured-output request may wait for its grammar to compile",
+        "grammar_compile_timeout",
+    ),
+    # server-only
+    FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
+    FlagSpec("port", "port to listen on", kind="int", default=8000),
+    FlagSpec(
+        "fd",
+        "serve on this inherited, already bound socket instead of --host/--port "
+        "(a supervisor or test that holds the port hands it over with no window to lose it)",
+        kind="int",
+        optional=True,
+    ),
+    FlagSpec(
+        "api-key",
+        "require 'Authorization: Bearer <key>' on /v1 and admin routes",
+        kind="str",
+        optional=True,
+    ),
+    FlagSpec("log-level", "logging level", kind="str", default="info", choices=LOG_LEVELS),
+    FlagSpec(
+        "max-body-bytes",
+        "largest request body accepted (413 past it)",
+        kind="int",
+        default=8 * 1024 * 1024,
+    ),
+    FlagSpec(
+        "shutdown-grace",
+        "seconds in-flight requests get to finish on SIGTERM",
+        kind="float",
+        default=30.0,
+    ),
+    FlagSpec(
+        "max-choices",
+        "most choices (prompts x n) per request",
+        kind="int",
+        default=256,
+    ),
+    FlagSpec(
+        "allowed-hosts",
+        "comma-separated Host header values accepted (DNS-rebinding guard); empty: any",
+        kind="str",
+        optional=True,
+    ),
+    FlagSpec(
+        "enable-docs",
+        "serve /docs, /redoc and /openapi.json",
+        kind="bool",
+        default=False,
+    ),
+    FlagSpec(
+        "trust-message-special-tokens",
+        "tokenize special-token strings inside chat message content as control tokens "
+        "(only for trusted callers: lets them forge system and assistant turns)",
+        kind="bool",
+        default=False,
+    ),
+    FlagSpec(
+        "tool-call-parser",
+        "format of tool calls in free text (auto: from the chat template; hermes otherwise)",
+        kind="str",
+        default="auto",
+        choices=PARSER_NAMES,
+    ),
+)
