@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from bench.fleet import LocalFleet, Process
+from tests.integration.fleet_client import (
+    WORKER_HEADER,
+    auth,
+    chat_rounds,
+    listening_addresses,
+    openai_client,
+    replica_loads,
+    requests_finished,
+    router_engine_load,
+    system_prompt,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +48,6 @@ SERVER_ARGS = (
     "--max-running-requests",
     "8",
 )
-WORKER_HEADER = "x-smg-routed-worker-id"
-_conversation_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -60,68 +67,13 @@ def round_robin(fleet: LocalFleet) -> Process:
 @pytest.fixture(scope="module")
 def model(fleet: LocalFleet) -> str:
     return str(
-        httpx.get(fleet.workers[0].url + "/v1/models", headers=_auth(fleet)).json()["data"][0]["id"]
+        httpx.get(fleet.workers[0].url + "/v1/models", headers=auth(fleet)).json()["data"][0]["id"]
     )
-
-
-def _auth(fleet: LocalFleet) -> dict[str, str]:
-    return {"Authorization": f"Bearer {fleet.api_key}"}
-
-
-def _client(url: str, api_key: str, timeout: float = 120.0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
-
-
-def _system_prompt() -> str:
-    """A long system prompt no other test uses, so no replica has it cached yet."""
-    n = next(_conversation_ids)
-    return f"Conversation {n} at {time.time_ns()}. " + "You answer briefly and politely. " * 12
-
-
-def _chat_rounds(client: openai.OpenAI, model: str, rounds: int) -> list[tuple[str, Any]]:
-    """A multi-turn conversation; each round resends the history. (worker, usage) per round."""
-    messages: list[dict[str, str]] = [{"role": "system", "content": _system_prompt()}]
-    seen = []
-    for turn in range(rounds):
-        messages.append({"role": "user", "content": f"Question {turn}: name a colour."})
-        raw = client.chat.completions.with_raw_response.create(
-            model=model,
-            messages=messages,
-            max_tokens=4,
-            temperature=0,  # type: ignore[arg-type]
-        )
-        reply = raw.parse()
-        seen.append((raw.headers[WORKER_HEADER], reply.usage))
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
-    return seen
-
-
-def _loads(url: str, fleet: LocalFleet) -> dict[str, Any]:
-    response = httpx.get(url + "/v1/loads", headers=_auth(fleet), timeout=10.0)
-    assert response.status_code == 200, response.text
-    return dict(response.json())
-
-
-def _router_engine_load(fleet: LocalFleet, worker_url: str) -> dict[str, Any] | None:
-    workers = httpx.get(fleet.url + "/workers", headers=_auth(fleet), timeout=10.0).json()
-    for worker in workers["workers"]:
-        if worker["url"] == worker_url and worker.get("engine_load"):
-            return dict(worker["engine_load"]["loads"][0])
-    return None
-
-
-def _wait_until(predicate: Any, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return bool(predicate())
 
 
 def test_worker_surface_as_the_router_reads_it(fleet: LocalFleet, model: str) -> None:
     worker = fleet.workers[0]
-    body = _loads(worker.url, fleet)
+    body = replica_loads(worker.url, fleet)
     assert body["dp_rank_count"] == 1 and isinstance(body["timestamp"], str)
     (load,) = body["loads"]
     assert load["dp_rank"] == 0
@@ -130,12 +82,12 @@ def test_worker_surface_as_the_router_reads_it(fleet: LocalFleet, model: str) ->
     for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens"):
         assert isinstance(load[key], int) and load[key] >= 0
 
-    info = httpx.get(worker.url + "/server_info", headers=_auth(fleet)).json()
+    info = httpx.get(worker.url + "/server_info", headers=auth(fleet)).json()
     assert info["served_model_name"] == model
     assert info["device"] == "cpu" and info["version"]
     assert info["cache"]["kv_total_tokens"] == KV_TOKENS
     assert info["cache"]["enable_prefix_cache"] is True
-    model_info = httpx.get(worker.url + "/model_info", headers=_auth(fleet)).json()
+    model_info = httpx.get(worker.url + "/model_info", headers=auth(fleet)).json()
     assert model_info["model_path"] == info["model_path"]
     assert model_info["is_generation"] is True
     for path in ("/v1/loads", "/server_info", "/model_info", "/v1/models"):
@@ -143,20 +95,20 @@ def test_worker_surface_as_the_router_reads_it(fleet: LocalFleet, model: str) ->
     assert httpx.get(worker.url + "/health").status_code == 200  # no key needed
 
     # The router registered each replica from these answers and parsed its load.
-    workers = httpx.get(fleet.url + "/workers", headers=_auth(fleet)).json()["workers"]
+    workers = httpx.get(fleet.url + "/workers", headers=auth(fleet)).json()["workers"]
     assert {w["url"] for w in workers} == {w.url for w in fleet.workers}
     for registered in workers:
         assert registered["model_id"] == model
         assert registered["labels"]["max_total_tokens"] == str(KV_TOKENS)
-    assert _wait_until(lambda: _router_engine_load(fleet, worker.url) is not None)
-    router_view = _router_engine_load(fleet, worker.url)
+    assert wait_until(lambda: router_engine_load(fleet, worker.url) is not None)
+    router_view = router_engine_load(fleet, worker.url)
     assert router_view is not None and router_view["max_total_num_tokens"] == KV_TOKENS
-    assert [m.id for m in _client(fleet.url, fleet.api_key).models.list().data] == [model]
+    assert [m.id for m in openai_client(fleet.url, fleet.api_key).models.list().data] == [model]
 
 
 def test_loads_move_with_load(fleet: LocalFleet, model: str) -> None:
     worker = fleet.workers[1]
-    client = _client(worker.url, fleet.api_key)
+    client = openai_client(worker.url, fleet.api_key)
     stream = client.completions.create(
         model=model,
         prompt="Write a long story about the sea. " * 8,
@@ -168,31 +120,31 @@ def test_loads_move_with_load(fleet: LocalFleet, model: str) -> None:
         next(iter(stream))  # running now
 
         def busy() -> bool:
-            load = _loads(worker.url, fleet)["loads"][0]
+            load = replica_loads(worker.url, fleet)["loads"][0]
             return bool(load["num_running_reqs"] >= 1 and load["num_used_tokens"] > 0)
 
-        assert _wait_until(busy)
-        load = _loads(worker.url, fleet)["loads"][0]
+        assert wait_until(busy)
+        load = replica_loads(worker.url, fleet)["loads"][0]
         assert load["token_usage"] == pytest.approx(load["num_used_tokens"] / KV_TOKENS)
         # the router polls the same numbers (every second, --load-monitor-interval 1)
-        assert _wait_until(
-            lambda: (_router_engine_load(fleet, worker.url) or {}).get("num_running_reqs", 0) >= 1
+        assert wait_until(
+            lambda: (router_engine_load(fleet, worker.url) or {}).get("num_running_reqs", 0) >= 1
         )
     finally:
         stream.close()
 
     def idle() -> bool:
-        load = _loads(worker.url, fleet)["loads"][0]
+        load = replica_loads(worker.url, fleet)["loads"][0]
         return bool(load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0)
 
-    assert _wait_until(idle)
-    assert _loads(worker.url, fleet)["loads"][0]["token_usage"] == 0.0
+    assert wait_until(idle)
+    assert replica_loads(worker.url, fleet)["loads"][0]["token_usage"] == 0.0
 
 
 def test_openai_client_through_the_router(fleet: LocalFleet, model: str) -> None:
-    via_router = _client(fleet.url, fleet.api_key)
+    via_router = openai_client(fleet.url, fleet.api_key)
     messages = [
-        {"role": "system", "content": _system_prompt()},
+        {"role": "system", "content": system_prompt()},
         {"role": "user", "content": "Name three colours."},
     ]
     first = via_router.chat.completions.with_raw_response.create(
@@ -205,7 +157,7 @@ def test_openai_client_through_the_router(fleet: LocalFleet, model: str) -> None
     assert worker_url in {w.url for w in fleet.workers}
     reply = first.parse()
     # The same request sent to a replica directly is the reference.
-    direct = _client(worker_url, fleet.api_key).chat.completions.create(
+    direct = openai_client(worker_url, fleet.api_key).chat.completions.create(
         model=model,
         messages=messages,
         max_tokens=8,
@@ -237,7 +189,7 @@ def test_openai_client_through_the_router(fleet: LocalFleet, model: str) -> None
     completion = via_router.completions.create(
         model=model, prompt="The capital of France is", max_tokens=5, temperature=0
     )
-    direct_completion = _client(fleet.workers[0].url, fleet.api_key).completions.create(
+    direct_completion = openai_client(fleet.workers[0].url, fleet.api_key).completions.create(
         model=model, prompt="The capital of France is", max_tokens=5, temperature=0
     )
     assert completion.choices[0].text == direct_completion.choices[0].text
@@ -255,16 +207,18 @@ def test_api_key_enforced_at_router_and_workers(fleet: LocalFleet, model: str) -
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401, url
         wrong = {"Authorization": "Bearer not-the-key"}
         assert httpx.post(url + "/v1/completions", json=body, headers=wrong).status_code == 401
-        right = httpx.post(url + "/v1/completions", json=body, headers=_auth(fleet), timeout=60)
+        right = httpx.post(url + "/v1/completions", json=body, headers=auth(fleet), timeout=60)
         assert right.status_code == 200, (url, right.text)
     with pytest.raises(openai.AuthenticationError):
-        _client(fleet.url, "not-the-key").completions.create(model=model, prompt="x", max_tokens=1)
+        openai_client(fleet.url, "not-the-key").completions.create(
+            model=model, prompt="x", max_tokens=1
+        )
 
 
 def test_cache_aware_keeps_a_conversation_on_one_replica(fleet: LocalFleet, model: str) -> None:
-    client = _client(fleet.url, fleet.api_key)
+    client = openai_client(fleet.url, fleet.api_key)
     for _ in range(2):
-        rounds = _chat_rounds(client, model, rounds=4)
+        rounds = chat_rounds(client, model, rounds=4)
         assert len({worker for worker, _ in rounds}) == 1, rounds
         previous = rounds[0][1].prompt_tokens
         for _, usage in rounds[1:]:
@@ -276,7 +230,7 @@ def test_cache_aware_keeps_a_conversation_on_one_replica(fleet: LocalFleet, mode
 def test_round_robin_spreads_a_conversation(
     fleet: LocalFleet, round_robin: Process, model: str
 ) -> None:
-    rounds = _chat_rounds(_client(round_robin.url, fleet.api_key), model, rounds=4)
+    rounds = chat_rounds(openai_client(round_robin.url, fleet.api_key), model, rounds=4)
     workers = [worker for worker, _ in rounds]
     assert set(workers) == {w.url for w in fleet.workers}, workers
     # a round sent to the other replica than the round before cannot hit that round's KV
@@ -286,8 +240,8 @@ def test_round_robin_spreads_a_conversation(
 
 
 def test_replica_killed_then_restarted(fleet: LocalFleet, round_robin: Process, model: str) -> None:
-    client = _client(fleet.url, fleet.api_key, timeout=180.0)
-    prompt = _system_prompt() + " Tell me a long story."
+    client = openai_client(fleet.url, fleet.api_key, timeout=180.0)
+    prompt = system_prompt() + " Tell me a long story."
     pinned = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=1)
     victim_url = pinned.headers[WORKER_HEADER]
     victim = next(i for i, w in enumerate(fleet.workers) if w.url == victim_url)
@@ -323,8 +277,9 @@ def test_replica_killed_then_restarted(fleet: LocalFleet, round_robin: Process, 
         for thread in threads:
             thread.start()
         # both in flight on the victim (cache_aware follows the shared prefix)
-        assert _wait_until(
-            lambda: _loads(victim_url, fleet)["loads"][0]["num_running_reqs"] >= 2, timeout=120
+        assert wait_until(
+            lambda: replica_loads(victim_url, fleet)["loads"][0]["num_running_reqs"] >= 2,
+            timeout=120,
         )
         fleet.kill_replica(victim)
         for thread in threads:
@@ -337,7 +292,7 @@ def test_replica_killed_then_restarted(fleet: LocalFleet, round_robin: Process, 
 
         fleet.wait_healthy({survivor_url}, timeout=60)
         for router_url in (fleet.url, round_robin.url):
-            routed = _client(router_url, fleet.api_key)
+            routed = openai_client(router_url, fleet.api_key)
             for i in range(3):
                 raw = routed.completions.with_raw_response.create(
                     model=model, prompt=prompt + f" Part {i}", max_tokens=2
@@ -352,7 +307,7 @@ def test_replica_killed_then_restarted(fleet: LocalFleet, round_robin: Process, 
     fleet.wait_healthy(every, timeout=60)
     fleet.wait_healthy(every, timeout=60, router=round_robin)
     # back in the rotation: round robin sends it every other request again
-    routed = _client(round_robin.url, fleet.api_key)
+    routed = openai_client(round_robin.url, fleet.api_key)
     reached = {
         routed.completions.with_raw_response.create(
             model=model, prompt=f"Hello {i}", max_tokens=1
@@ -362,52 +317,21 @@ def test_replica_killed_then_restarted(fleet: LocalFleet, round_robin: Process, 
     assert reached == every
 
 
-def _listening_addresses(pid: int) -> set[str]:
-    """``ip:port`` of every TCP socket process ``pid`` listens on (from /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd) if fd.is_symlink() else ""
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            hex_ip, hex_port = local.split(":")
-            if width == 8:
-                ip = socket.inet_ntop(socket.AF_INET, bytes.fromhex(hex_ip)[::-1])
-            else:
-                ip = hex_ip
-            found.add(f"{ip}:{int(hex_port, 16)}")
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="needs Linux /proc")
 def test_fleet_listens_on_loopback_only(fleet: LocalFleet) -> None:
     for process in (*fleet.workers, fleet.router):
         assert process.proc is not None
-        addresses = _listening_addresses(process.proc.pid)
+        addresses = listening_addresses(process.proc.pid)
         assert addresses, process.name
         assert all(a.startswith("127.0.0.1:") for a in addresses), (process.name, addresses)
     # the router's own port and its metrics port, nothing else
-    assert len(_listening_addresses(fleet.router.proc.pid)) == 2  # type: ignore[union-attr]
-
-
-def _finished(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10.0).text
-    for line in text.splitlines():
-        if line.startswith("hiserve:requests_finished_total "):
-            return float(line.split()[-1])
-    raise AssertionError(f"no hiserve:requests_finished_total at {url}")
+    assert len(listening_addresses(fleet.router.proc.pid)) == 2  # type: ignore[union-attr]
 
 
 def test_bench_text_mode_through_the_router(fleet: LocalFleet, tmp_path: Path) -> None:
     from bench.__main__ import main as bench_main
 
-    before = {w.url: _finished(w.url) for w in fleet.workers}
+    before = {w.url: requests_finished(w.url) for w in fleet.workers}
     out = tmp_path / "bench.json"
     status = bench_main(
         ["run", "--base-url", fleet.url, "--api-key", fleet.api_key, "--prompt-mode", "text",
@@ -419,7 +343,7 @@ def test_bench_text_mode_through_the_router(fleet: LocalFleet, tmp_path: Path) -
     report = json.loads(out.read_text())
     assert report["completed"] == 6 and report["cached_tokens_reported"]
     # the router's worker header, counted by the bench, agrees with each replica's own count
-    served = {url: int(_finished(url) - before[url]) for url in before}
+    served = {url: int(requests_finished(url) - before[url]) for url in before}
     assert report["workers"] == {url: n for url, n in served.items() if n}
     # cache_aware: every second round lands where its first round left the prefix
     assert report["cache_hit_rate"] >= 0.9 * report["ideal_hit_rate"]
