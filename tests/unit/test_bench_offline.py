@@ -59,3 +59,15 @@ def test_bench_prints_both_floors_and_the_goals(
     assert "bandwidth floor of one stream" in out
     assert "% of the matmul floor (goal >= 80%)" in out
     assert "% of the bandwidth floor (goal >= 85%)" in out
+
+
+def test_fused_kernel_bench_runs_on_a_model(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import fused_kernels
+
+    fused_kernels.main(["--model", str(tiny_llama_dir), "--tokens", "1", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "2 layers, heads 4/2x16" in lines[0]
+    assert lines[1].strip().startswith("1 tokens: add+rms_norm")
+    assert lines[2].strip().startswith("3 tokens:") and "per forward" in lines[2]
