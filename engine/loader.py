@@ -318,7 +318,7 @@ def load_model(
         and hasattr(model, "pack_for_cpu")
     ):
         model.pack_for_cpu()
-    # Fused RMSNorm / RoPE / SwiGLU kernels on float32 CPU models (HISERVE_CPU_FUSED=0: off).
+    # Fused RMSNorm + residual and RoPE kernels on float32 CPU models (HISERVE_CPU_FUSED=0: off).
     use_fused_cpu_kernels(model)
     return model.eval()
 
