@@ -11,6 +11,12 @@ It also prints the matmul floor of the engine's batch run: the same sequence of 
 shapes (tokens per step, logit rows per step) replayed through the model's linear layers
 alone. No engine that runs that schedule with this BLAS can be faster than the floor, so
 ``output tokens / floor`` bounds the attainable tokens/s and ratio to HF.
+
+And the single-stream weight-bandwidth floor: one decode step of one stream reads every
+weight once (linear layers, the LM head, norms), so ``copy bandwidth / model bytes`` bounds
+its tokens/s, with the bandwidth of a large tensor copy measured in the same run. Goals
+(issue 13): the batch at >= 80% of its matmul floor, one stream at >= 85% of its
+bandwidth floor.
 """
 
 from __future__ import annotations
@@ -106,6 +112,39 @@ def matmul_floor(model: Any, shapes: list[tuple[int, int]], repeats: int = 3) ->
                 model.compute_logits(torch.zeros(logit_rows, hidden))
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def weight_bytes_per_token(model: Any) -> int:
+    """Bytes of weights one decode step of one stream reads: each linear layer's (packed or
+    not), the LM head (the embedding for a tied model), the norms; not the embedding lookup."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, FusedLinear):
+            itemsize = torch.empty(0, dtype=module.weight.dtype).element_size()
+            total += module.in_features * module.out_features * itemsize
+            if module.bias is not None:
+                total += module.bias.numel() * module.bias.element_size()
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            total += param.numel() * param.element_size()
+    if getattr(model, "lm_head", None) is None:  # tied, and not packed: the table itself
+        embed = model.model.embed_tokens
+        total += embed.numel() * embed.element_size()
+    return total
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy, counted as bytes read plus bytes written (as
+    STREAM's copy does); best of ``repeats``. Far larger than any CPU cache."""
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
 
 
 def run_hf(model: Any, prompts: list[list[int]], out_lens: list[int], pad_id: int) -> float:
@@ -215,12 +254,25 @@ def main(argv: list[str] | None = None) -> None:
     step_s, overhead_s = step_overhead(engine, prompts)
     floor_s = matmul_floor(engine.model, shapes)
     bound = sum(out_lens) / floor_s
+    model_bytes = weight_bytes_per_token(engine.model)
+    bandwidth = copy_bandwidth()
+    single_bound = bandwidth / model_bytes
     print(f"engine  batch of {args.num_requests}: {engine_batch:8.1f} output tok/s")
     print(
         f"matmul floor of that run ({len(shapes)} forwards, linear layers only): "
         f"{floor_s:.2f} s = {bound:.1f} output tok/s at most"
     )
     print(f"engine  single stream:   {engine_single:8.1f} output tok/s")
+    print(
+        f"bandwidth floor of one stream: {model_bytes / 1e6:.1f} MB of weights per token, "
+        f"large-copy bandwidth {bandwidth / 1e9:.2f} GB/s = {single_bound:.1f} output tok/s "
+        f"at most"
+    )
+    print(
+        f"goals   batch {100 * engine_batch / bound:.0f}% of the matmul floor (goal >= 80%), "
+        f"single stream {100 * engine_single / single_bound:.0f}% of the bandwidth floor "
+        f"(goal >= 85%)"
+    )
     print(
         f"engine  decode step at {args.num_requests} running: {step_s * 1e3:.1f} ms, "
         f"of which outside the forward {overhead_s * 1e3:.2f} ms "

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import get_attention_backend
+from engine.layers.fused_cpu import use_fused_cpu_kernels
 from engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -317,6 +318,8 @@ def load_model(
         and hasattr(model, "pack_for_cpu")
     ):
         model.pack_for_cpu()
+    # Fused RMSNorm + residual and RoPE kernels on float32 CPU models (HISERVE_CPU_FUSED=0: off).
+    use_fused_cpu_kernels(model)
     return model.eval()
 
 

@@ -177,6 +177,8 @@ class Req:
     cached_storage: int = 0  # prompt tokens read from the L3 store (then loaded back)
     reported_cache: bool = False
     num_retractions: int = 0
+    arrival_seq: int = 0  # order of arrival at the scheduler
+    times_passed: int = 0  # prefill steps that admitted a later arrival while this waited
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None

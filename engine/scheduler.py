@@ -15,6 +15,9 @@ from engine.request import Req, ReqStatus
 
 # Longest-prefix-match ordering is skipped (fcfs used) above this many waiting requests.
 LPM_MAX_WAITING = 128
+# lpm lets a request with a longer cached prefix go first; one passed over by later
+# arrivals this many times goes ahead of all of them, so lpm never starves anyone.
+MAX_TIMES_PASSED = 8
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -83,6 +86,7 @@ class Scheduler:
         self.num_retractions = 0
         self.out_of_memory: list[Req] = []  # ended for lack of KV; the engine drains it
         self._last_was_prefill = False
+        self._arrivals = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -91,6 +95,8 @@ class Scheduler:
                 f"server overloaded: {len(self.waiting)} requests already waiting "
                 f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later"
             )
+        self._arrivals += 1
+        req.arrival_seq = self._arrivals
         self.waiting.append(req)
 
     def remove(self, req: Req) -> None:
@@ -147,8 +153,18 @@ class Scheduler:
         # lpm matches every waiting prompt against the tree each step: past
         # LPM_MAX_WAITING requests that costs more than it gains, so order them fcfs.
         if self.config.schedule_policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_WAITING:
-            return sorted(self.waiting, key=lambda r: -self.kv.peek_prefix_len(r))
+            overdue = [r for r in self.waiting if r.times_passed >= MAX_TIMES_PASSED]
+            rest = [r for r in self.waiting if r.times_passed < MAX_TIMES_PASSED]
+            return overdue + sorted(rest, key=lambda r: -self.kv.peek_prefix_len(r))
         return list(self.waiting)
+
+    def _count_passed(self, admitted: list[Req]) -> None:
+        """Each waiting request that arrived before one just admitted was passed once."""
+        if admitted and self.waiting:
+            latest = max(r.arrival_seq for r in admitted)
+            for req in self.waiting:
+                if req.arrival_seq < latest:
+                    req.times_passed += 1
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
@@ -203,6 +219,7 @@ class Scheduler:
         available = self.kv.available_tokens() - self._reserved_tokens()
         # Prefills whose prompt pages are not in the tree yet (this batch's included).
         in_flight = [r for r in self.running if self._unlanded(r) > 0]
+        admitted: list[Req] = []
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
@@ -238,9 +255,11 @@ class Scheduler:
                 break
             req.status = ReqStatus.RUNNING
             self.running.append(req)
+            admitted.append(req)
             if self._unlanded(req) > 0:
                 in_flight.append(req)
             available -= need
+        self._count_passed(admitted)
         if not reqs:
             return None
         return ScheduledBatch(False, reqs, starts, lens, torch.cat(slots), sample)

@@ -22,11 +22,12 @@ collect_ignore = ["gpu"]
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the native CPU attention kernel once, up front: servers started by the
-    integration tests then load it instead of compiling it inside their start-up timeout."""
-    from engine.layers import cpu_kernels
+    """Build the native CPU kernels once, up front: servers started by the integration
+    tests then load them instead of compiling them inside their start-up timeout."""
+    from engine.layers import cpu_kernels, fused_cpu
 
     cpu_kernels.paged_decode_kernel()
+    fused_cpu.fused_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
         self._shape = (hidden_size,)
+        # (x, residual, weight, eps) -> (normed, summed) in one pass; set by
+        # fused_cpu.use_fused_cpu_kernels on float32 CPU models, None everywhere else.
+        self.fused_add_norm: (
+            Callable[
+                [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+            ]
+            | None
+        ) = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, hidden] -> [num_tokens, hidden]
@@ -31,6 +41,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(norm(x + residual), x + residual)``: the pre-norm block pattern."""
+        if self.fused_add_norm is not None:
+            return self.fused_add_norm(x, residual, self.weight, self.eps)
         summed = x + residual  # [num_tokens, hidden]
         return self.forward(summed), summed
 

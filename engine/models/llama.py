@@ -70,6 +70,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = FusedLinear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = FusedLinear(q_size, [hidden], bias=o_bias)
         self.attn_backend = attn_backend
+        # (x [T, H, D], cos, sin) -> rotated x; the fused CPU kernel replaces it on float32
+        # CPU models (fused_cpu.use_fused_cpu_kernels).
+        self.rotary_fn = apply_rotary
 
     def forward(
         self,
@@ -86,7 +89,7 @@ class LlamaAttention(nn.Module):
             num_tokens, qk_heads + self.kv_heads, self.head_dim
         )
         # [T, q_heads + kv_heads, head_dim]
-        qk = apply_rotary(self.norm_qk(qkv[:, :qk_heads]), cos, sin)
+        qk = self.rotary_fn(self.norm_qk(qkv[:, :qk_heads]), cos, sin)
         attn = self.attn_backend.forward(
             qk[:, : self.q_heads],  # [T, q_heads, head_dim]
             qk[:, self.q_heads :],  # [T, kv_heads, head_dim]

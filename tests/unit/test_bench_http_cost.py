@@ -1,0 +1,60 @@
+"""bench.http_cost: the offline and served runs of one workload, and its failure modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import http_cost
+from bench.client import RequestResult
+from bench.runner import RunState
+
+
+def test_served_and_offline_runs_of_one_workload(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    http_cost.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "3",
+            "--max-concurrency",
+            "4",
+            "--startup-timeout",
+            "120",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "offline engine:" in out and "served (HTTP):" in out
+    assert "(goal >= 90%)" in out
+    assert "per-token serving work: detokenize" in out
+
+
+def test_a_failed_served_run_is_not_reported_as_a_rate() -> None:
+    state = RunState("served", "http://127.0.0.1:1", 2)
+    state.start_time, state.end_time = 0.0, 1.0
+    good = RequestResult(0, 0, 0, 8)
+    good.ok, good.output_tokens = True, 3
+    bad = RequestResult(1, 1, 0, 8)
+    bad.ok, bad.error = False, "HTTP 500"
+    state.results = [good]
+    assert http_cost.served_tokens_per_s(state) == 3.0
+    state.results = [good, bad]
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        http_cost.served_tokens_per_s(state)
+
+
+def test_per_token_cost_replays_every_token(default_model_dir: Path) -> None:
+    from engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = [tokenizer.encode("Hello there"), tokenizer.encode("The sea is")]
+    outputs = [tokenizer.encode(" general Kenobi!"), tokenizer.encode(" deep and blue.")]
+    cost = http_cost.per_token_cost(tokenizer, prompts, outputs)
+    assert cost.detokenize_us > 0 and cost.sse_chunk_us > 0

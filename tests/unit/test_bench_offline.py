@@ -1,0 +1,73 @@
+"""bench.offline's floors: the weight bytes one decode step reads, counted independently
+from the HF model's parameters, and the goals the bench prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from bench import offline
+from engine.loader import load_model
+from tests.conftest import make_tiny_model
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_weight_bytes_per_token_counts_every_weight_a_decode_step_reads(
+    tmp_path: Path, default_model_dir: Path, tied: bool
+) -> None:
+    path = make_tiny_model(tmp_path, default_model_dir, tie_word_embeddings=tied)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # HF's parameters (a tied table once); a step reads the LM head but not the whole table.
+    hf_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    embed = hf_model.model.embed_tokens.weight
+    embed_bytes = embed.numel() * embed.element_size()
+    expected = hf_bytes if tied else hf_bytes - embed_bytes
+    for pack in ("1", "0"):  # oneDNN-packed linear layers and plain ones
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("HISERVE_CPU_ONEDNN", pack)
+            model = load_model(path, torch.device("cpu"), torch.float32)
+        assert offline.weight_bytes_per_token(model) == expected
+
+
+def test_copy_bandwidth_is_a_plausible_rate() -> None:
+    rate = offline.copy_bandwidth(megabytes=8, repeats=2)
+    assert 1e8 < rate < 1e13  # bytes/s: between 100 MB/s and 10 TB/s
+
+
+def test_bench_prints_both_floors_and_the_goals(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    offline.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--num-requests",
+            "3",
+            "--output-len",
+            "2",
+            "4",
+            "--single-tokens",
+            "4",
+            "--skip-hf",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "matmul floor of that run" in out
+    assert "bandwidth floor of one stream" in out
+    assert "% of the matmul floor (goal >= 80%)" in out
+    assert "% of the bandwidth floor (goal >= 85%)" in out
+
+
+def test_fused_kernel_bench_runs_on_a_model(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import fused_kernels
+
+    fused_kernels.main(["--model", str(tiny_llama_dir), "--tokens", "1", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "2 layers, heads 4/2x16" in lines[0]
+    assert lines[1].strip().startswith("1 tokens: add+rms_norm")
+    assert lines[2].strip().startswith("3 tokens:") and "per forward" in lines[2]

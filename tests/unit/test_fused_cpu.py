@@ -1,0 +1,157 @@
+"""The fused CPU kernels (RMSNorm + residual add, RoPE) against the PyTorch reference.
+
+Random inputs over several shapes; strided inputs as the model passes them; the whole
+model against HF transformers with the kernels on and off; and the fallback when the
+kernels cannot be built (the build forced to fail).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaConfig
+
+from engine.layers import fused_cpu
+from engine.layers.rmsnorm import RMSNorm
+from engine.layers.rotary import RopeParams, RotaryEmbedding, apply_rotary
+from engine.loader import load_model
+from tests.unit.hf_reference import randomize
+from tests.unit.model_driver import GreedyDriver
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Any:
+    module = fused_cpu.fused_kernels()
+    assert module is not None, fused_cpu.build_error()
+    return module
+
+
+def _fused_layers(model: torch.nn.Module) -> int:
+    return sum(
+        1
+        for m in model.modules()
+        if getattr(m, "fused_add_norm", None) is not None
+        or getattr(m, "rotary_fn", None) not in (None, apply_rotary)
+    )
+
+
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 64), (7, 576), (300, 1000), (33, 17)])
+def test_add_rms_norm_matches_pytorch(kernels: Any, tokens: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * hidden)
+    norm = RMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(hidden, generator=gen))
+    x = 3 * torch.randn(tokens, hidden, generator=gen)
+    residual = torch.randn(tokens, hidden, generator=gen)
+    expected_normed, expected_sum = norm.add_forward(x, residual)  # the PyTorch path
+    normed, summed = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+    torch.testing.assert_close(summed, expected_sum, rtol=0, atol=0)
+    torch.testing.assert_close(normed, expected_normed, rtol=1e-5, atol=1e-5)
+    # Through the layer once switched: the same numbers.
+    norm.fused_add_norm = kernels.add_rms_norm
+    torch.testing.assert_close(norm.add_forward(x, residual)[0], normed, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "q_heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (5, 4, 2, 32), (130, 8, 8, 128)]
+)
+def test_rotary_matches_pytorch_on_the_strided_qk_view(
+    kernels: Any, tokens: int, q_heads: int, kv_heads: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    rotary = RotaryEmbedding(head_dim, RopeParams("default", 10000.0, {}))
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    cos, sin = rotary.cos_sin(positions, torch.float32)  # [T, 1, head_dim]
+    # [T, q + 2 kv, D]; the model rotates the q/k heads of it in place, a strided view.
+    qkv = torch.randn(tokens, q_heads + 2 * kv_heads, head_dim, generator=gen)
+    qk = qkv[:, : q_heads + kv_heads]
+    assert not qk.is_contiguous() or tokens == 1
+    expected = apply_rotary(qk, cos, sin)
+    got = kernels.rotary(qk, cos, sin)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_kernels_refuse_other_dtypes_with_a_clear_error(kernels: Any) -> None:
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        x = torch.randn(2, 8).to(dtype)
+        with pytest.raises(RuntimeError, match="must be float32"):
+            kernels.add_rms_norm(x, x, torch.ones(8, dtype=dtype), 1e-6)
+        with pytest.raises(RuntimeError, match="must be float32"):
+            kernels.rotary(x.view(2, 1, 8), x, x)
+
+
+def _tiny_hf(path: Path) -> Any:
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize(hf_model, seed=5)
+    hf_model.save_pretrained(path)
+    return hf_model
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pytorch"])
+@torch.inference_mode()
+def test_whole_model_matches_hf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    hf_model = _tiny_hf(tmp_path)
+    monkeypatch.setenv(fused_cpu.ENV_SWITCH, "1" if fused else "0")
+    model = load_model(tmp_path, torch.device("cpu"), torch.float32)
+    # Every RMSNorm (2 per layer + final) and every attention (1 per layer).
+    assert _fused_layers(model) == (7 if fused else 0)
+    prompt = torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(1)).tolist()
+    driver = GreedyDriver(model, seed=3)
+    expected = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(driver.prefill_logits(prompt), expected, atol=1e-4, rtol=1e-4)
+    gen = driver.generate([prompt], 8, prefill_chunk=5)[0]  # chunked prefill, then decode
+    full = hf_model(torch.tensor([prompt + gen.tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    torch.testing.assert_close(torch.stack(gen.logits), full, atol=1e-4, rtol=1e-4)
+
+
+def test_non_float32_models_keep_pytorch(tmp_path: Path) -> None:
+    _tiny_hf(tmp_path)
+    model = load_model(tmp_path, torch.device("cpu"), torch.bfloat16)
+    assert _fused_layers(model) == 0
+
+
+@torch.inference_mode()
+def test_failed_build_falls_back_to_pytorch_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.utils import cpp_extension
+
+    hf_model = _tiny_hf(tmp_path)
+
+    def broken_build(**kwargs: object) -> None:
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(fused_cpu, "_module", None)
+    monkeypatch.setattr(fused_cpu, "_error", None)
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    with caplog.at_level(logging.WARNING, logger=fused_cpu.__name__):
+        model = load_model(tmp_path, torch.device("cpu"), torch.float32)
+    assert fused_cpu.fused_kernels() is None
+    assert fused_cpu.build_error() == (
+        "RuntimeError: error: command 'c++' failed: No such file or directory"
+    )
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "fused CPU kernels unavailable" in warning and "No such file" in warning
+    assert "C++ compiler" in warning
+    assert _fused_layers(model) == 0
+    prompt = list(range(3, 20))
+    expected = hf_model(torch.tensor([prompt])).logits[0]
+    got = GreedyDriver(model, seed=3).prefill_logits(prompt)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
