@@ -1,0 +1,103 @@
+"""Mixed batches through the engine: decodes and prefill chunks in one forward, HF parity,
+exact KV accounting, and the alternating scheduler behind --disable-mixed-batches."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import SamplingParams
+from tests.unit.mixed_log import StepLog, StepRecord, run_waves
+from tests.unit.test_engine import engine_for, hf_greedy
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0)
+BACKENDS = ("torch", "cpu_native")
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def arrival_waves() -> list[tuple[int, list[list[int]]]]:
+    """Short prompts first; while they decode, a long prompt (chunked) and two prompts that
+    extend the first ones (prefix hits); then one that shares the long prompt's start."""
+    rng = random.Random(15)
+    first = [_tokens(rng, n) for n in (6, 10, 14)]
+    long_prompt = _tokens(rng, 70)
+    return [
+        (0, first),
+        (3, [long_prompt, first[0] + _tokens(rng, 5), first[1] + _tokens(rng, 3)]),
+        (6, [long_prompt[:40] + _tokens(rng, 9)]),
+    ]
+
+
+def expected_ids(waves: list[tuple[int, list[list[int]]]]) -> dict[str, list[int]]:
+    return {f"w{k}p{i}": p for k, (_, ps) in enumerate(waves) for i, p in enumerate(ps)}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> dict[str, list[int]]:
+    prompts = expected_ids(arrival_waves())
+    outs = hf_greedy(tiny_llama_dir, list(prompts.values()), PARAMS.max_tokens)
+    return dict(zip(prompts, outs))
+
+
+def check_sampled_rows(steps: list[StepRecord]) -> None:
+    """The sampler got exactly the decodes and the chunks that end a prompt, in batch
+    order, and the LM head ran on those rows only."""
+    for step in steps:
+        assert step.sampled == [rid for rid, _, _, samples in step.seqs if samples]
+        assert step.logits_rows == len(step.sampled)
+        assert all(samples for _, _, _, samples in step.seqs[: step.num_decodes])
+
+
+def run_arrivals(model_dir: Path, **overrides: object) -> tuple[dict[str, list[int]], StepLog]:
+    eng = engine_for(model_dir, chunked_prefill_size=8, max_prefill_tokens=20, **overrides)
+    log = StepLog(eng)
+    outs = run_waves(eng, arrival_waves(), PARAMS)
+    stats = eng.stats()
+    assert stats["kv_used"] == 0 and stats["running"] == 0
+    assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
+    assert stats["mixed_steps_total"] == len(log.mixed_steps)
+    return {rid: o.token_ids for rid, o in outs.items()}, log
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_arrivals_while_decoding_match_hf(tiny_llama_dir, reference, backend, page_size):
+    outs, log = run_arrivals(tiny_llama_dir, attention_backend=backend, page_size=page_size)
+    assert outs == reference
+    assert len(log.mixed_steps) >= 3
+    check_sampled_rows(log.steps)
+    # Every step decodes every request that is ready to decode: nobody waits a step.
+    for step in log.steps:
+        assert step.decode_ready <= set(step.decode_ids)
+    # A non-final chunk of the long prompt rode along with decodes and sampled nothing.
+    assert any(
+        not samples and n > 1
+        for step in log.mixed_steps
+        for _, _, n, samples in step.seqs[step.num_decodes :]
+    )
+    # Prefix hits were admitted into mixed steps: their first chunk starts past zero.
+    hit_starts = {
+        rid: start
+        for step in log.mixed_steps
+        for rid, start, _, _ in step.seqs[step.num_decodes :]
+        if rid in ("w1p1", "w1p2")
+    }
+    assert set(hit_starts) == {"w1p1", "w1p2"} and min(hit_starts.values()) > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disabled_alternates_prefill_and_decode(tiny_llama_dir, reference, backend):
+    outs, log = run_arrivals(tiny_llama_dir, attention_backend=backend, enable_mixed_batches=False)
+    assert outs == reference
+    assert not log.mixed_steps
+    check_sampled_rows(log.steps)
+    # Prefill steps made ready requests wait a step, but never two steps in a row.
+    waited = [i for i, s in enumerate(log.steps) if s.prefill_only and s.decode_ready]
+    assert waited
+    for i in waited:
+        assert not log.steps[i + 1].prefill_only
