@@ -80,13 +80,29 @@ class StepLog:
             self._rows = int(logits.shape[0])
             return sampler(logits, reqs, *args)
 
+        self._originals = (schedule, run, sampler)
         engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
         engine.runner.run = recording_run  # type: ignore[method-assign]
         engine.runner.sampler = recording_sampler  # type: ignore[assignment]
 
+    def restore(self) -> None:
+        """Stop recording (for an engine that other tests share)."""
+        schedule, run, sampler = self._originals
+        self.engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+        self.engine.runner.run = run  # type: ignore[method-assign]
+        self.engine.runner.sampler = sampler
+
     @property
     def mixed_steps(self) -> list[StepRecord]:
         return [s for s in self.steps if s.is_mixed]
+
+    def first_steps(self) -> dict[str, StepRecord]:
+        """The step in which each request computed its first tokens."""
+        first: dict[str, StepRecord] = {}
+        for step in self.steps:
+            for rid, *_ in step.seqs:
+                first.setdefault(rid, step)
+        return first
 
 
 def run_waves(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
+from engine.request import RequestOutput
 from tests.unit.mixed_log import StepLog, StepRecord, run_waves
 from tests.unit.test_engine import engine_for, hf_greedy
 
@@ -101,3 +102,92 @@ def test_disabled_alternates_prefill_and_decode(tiny_llama_dir, reference, backe
     assert waited
     for i in waited:
         assert not log.steps[i + 1].prefill_only
+
+
+def test_retraction_inside_a_mixed_step(tiny_llama_dir):
+    rng = random.Random(1)
+    waves = [
+        (0, [_tokens(rng, 6), _tokens(rng, 8), _tokens(rng, 5)]),
+        (4, [_tokens(rng, 30)]),  # chunked while the others decode and run out of KV
+        (8, [_tokens(rng, 7)]),
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    eng = engine_for(
+        tiny_llama_dir, kv_cache_tokens=64, chunked_prefill_size=8, max_prefill_tokens=16
+    )
+    eng.scheduler.new_token_ratio = 0.0  # admit greedily so that decode must retract
+    log = StepLog(eng)
+    outs = run_waves(eng, waves, params)  # invariants checked after every step
+    retracting = [s for s in log.mixed_steps if s.retracted]
+    assert retracting, "no step retracted and prefilled at once; the scenario drifted"
+    for step in retracting:
+        # The request just retracted is not admitted again in the same step.
+        assert not set(step.retracted) & {rid for rid, *_ in step.seqs}
+    check_sampled_rows(log.steps)
+    prompts = expected_ids(waves)
+    want = hf_greedy(tiny_llama_dir, list(prompts.values()), params.max_tokens)
+    assert [outs[rid].token_ids for rid in prompts] == want
+
+
+def test_aborts_inside_mixed_steps(tiny_llama_dir, reference):
+    aborted: dict[str, RequestOutput] = {}
+
+    def abort_some(step: int, eng) -> None:
+        running = {r.request_id: r for r in eng.scheduler.running}
+        long_req = running.get("w1p0")
+        # The long prompt mid-prefill, after it rode in a mixed step; then a decoder.
+        mid_prefill = long_req is not None and 8 < long_req.kv_len < long_req.seq_len - 8
+        if mid_prefill and "w1p0" not in aborted:
+            aborted["w1p0"] = eng.abort("w1p0")
+        if step == 7 and "w0p2" in running:
+            assert running["w0p2"].output_ids  # decoding
+            aborted["w0p2"] = eng.abort("w0p2")
+
+    eng = engine_for(tiny_llama_dir, chunked_prefill_size=8, max_prefill_tokens=20)
+    log = StepLog(eng)
+    outs = run_waves(eng, arrival_waves(), PARAMS, between=abort_some)
+    assert set(aborted) == {"w1p0", "w0p2"}
+    assert any("w1p0" in {rid for rid, *_ in s.seqs} for s in log.mixed_steps)
+    for rid, want in reference.items():
+        if rid in aborted:
+            assert rid not in outs and aborted[rid].finish_reason == "abort"
+            assert aborted[rid].token_ids == want[: len(aborted[rid].token_ids)]
+        else:
+            assert outs[rid].token_ids == want
+    stats = eng.stats()
+    assert stats["kv_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_tier_load_back_inside_a_mixed_step(tiny_llama_dir, backend):
+    rng = random.Random(2)
+    first = [_tokens(rng, 40) for _ in range(3)]
+    second = [_tokens(rng, 40) for _ in range(3)]
+    # The second group pushes the first off the device pool (into the host tier); the
+    # first group's prompts come back, extended, while the second group decodes.
+    waves = [
+        (0, first),
+        (12, second),
+        (16, [first[0] + _tokens(rng, 8), first[1] + _tokens(rng, 8)]),
+    ]
+    eng = engine_for(
+        tiny_llama_dir,
+        attention_backend=backend,
+        kv_cache_tokens=160,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8,
+        hicache_load_threshold=4,
+        chunked_prefill_size=32,
+        max_prefill_tokens=64,
+    )
+    log = StepLog(eng)
+    outs = run_waves(eng, waves, PARAMS)
+    for rid in ("w2p0", "w2p1"):
+        assert outs[rid].cached_tokens_host == 40  # loaded back, not recomputed
+        assert log.first_steps()[rid].is_mixed
+    assert eng.stats()["loadback_tokens_total"] == 80
+    eng.kv.manager.tree.check_host_invariants()  # type: ignore[attr-defined]
+    prompts = expected_ids(waves)
+    want = hf_greedy(tiny_llama_dir, list(prompts.values()), PARAMS.max_tokens)
+    assert [outs[rid].token_ids for rid in prompts] == want
