@@ -191,3 +191,19 @@ def test_host_tier_load_back_inside_a_mixed_step(tiny_llama_dir, backend):
     prompts = expected_ids(waves)
     want = hf_greedy(tiny_llama_dir, list(prompts.values()), PARAMS.max_tokens)
     assert [outs[rid].token_ids for rid in prompts] == want
+
+
+def test_decodes_filling_the_budget_fall_back_to_alternating(tiny_llama_dir):
+    rng = random.Random(4)
+    waves = [(0, [_tokens(rng, 3), _tokens(rng, 4), _tokens(rng, 5)]), (8, [_tokens(rng, 6)])]
+    # Three decodes fill a budget of three tokens: a mixed step would leave no room for
+    # the late prompt, so it would wait until the others finish; alternating serves it.
+    eng = engine_for(tiny_llama_dir, chunked_prefill_size=3, max_prefill_tokens=3)
+    log = StepLog(eng)
+    outs = run_waves(eng, waves, PARAMS)
+    assert not any(s.is_mixed and len(s.decode_ready) >= 3 for s in log.steps)
+    late = log.first_steps()["w1p0"]
+    assert late.prefill_only and len(late.decode_ready) == 3
+    prompts = expected_ids(waves)
+    want = hf_greedy(tiny_llama_dir, list(prompts.values()), PARAMS.max_tokens)
+    assert [outs[rid].token_ids for rid in prompts] == want
