@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import random
 import statistics
 import sys
@@ -85,6 +86,46 @@ def decode_step_ms(
     return 1e3 * statistics.median(times)
 
 
+def engine_run(
+    launch: LaunchOptions, mixed: bool, workload: Workload, rate: float, seed: int
+) -> tuple[float, float]:
+    """The workload on an engine in this process, Poisson arrivals at ``rate`` by the wall
+    clock (no HTTP): (output tokens/s, median inter-token latency in ms)."""
+    engine = Engine(
+        EngineConfig(
+            model=launch.model,
+            device=launch.device,
+            dtype=launch.dtype,
+            kv_cache_tokens=launch.kv_cache_tokens,
+            enable_mixed_batches=mixed,
+        )
+    )
+    rng = random.Random(seed)
+    arrivals, at = [], 0.0
+    for request in workload.requests:
+        at += rng.expovariate(rate)
+        arrivals.append((at, request.prompt))
+    params = SamplingParams(max_tokens=workload.config.output_len, temperature=0, ignore_eos=True)
+    token_times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    while arrivals or engine.has_work:
+        now = time.perf_counter() - start
+        while arrivals and arrivals[0][0] <= now:
+            token_times[engine.add_request(arrivals.pop(0)[1], params)] = []
+        if not engine.has_work:
+            time.sleep(arrivals[0][0] - now)  # idle until the next arrival
+            continue
+        outputs = engine.step()
+        done = time.perf_counter() - start
+        for out in outputs:  # one new token per request and step
+            token_times[out.request_id].append(done)
+    elapsed = time.perf_counter() - start
+    engine.close()
+    gaps = [b - a for times in token_times.values() for a, b in itertools.pairwise(times)]
+    tokens = sum(len(times) for times in token_times.values())
+    return tokens / elapsed, 1e3 * statistics.median(gaps)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
@@ -96,6 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--single-prompts", type=int, default=6, help="for concurrency 1")
     parser.add_argument("--decode-steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--in-process",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of HTTP: N alternating pairs of in-process runs (engine only)",
+    )
     parser.add_argument(
         "--server-arg",
         dest="server_args",
@@ -120,6 +168,12 @@ def main(argv: list[str] | None = None) -> None:
         (single, RunOptions(max_concurrency=1, progress=False, seed=args.seed)),
     ]
     launch = LaunchOptions(model=args.model, extra_args=tuple(args.server_args))
+    if args.in_process:
+        for _ in range(args.in_process):
+            for mode, mixed in (("mixed", True), ("alternating", False)):
+                tok_s, itl = engine_run(launch, mixed, loaded, args.request_rate, args.seed)
+                print(f"in process, {mode:<12} {tok_s:7.1f} output tok/s, median ITL {itl:.1f} ms")
+        return
     results = {mode: serve_and_run(mode, launch, runs) for mode in MODES}
     running = mean_running(results["mixed"][0])
     batch = max(1, round(running))
