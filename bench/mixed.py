@@ -10,6 +10,10 @@ about 16 requests running; the table prints the mean), and one request at a time
 times decode-only steps in process, on an engine of the same configuration with the
 mixed run's mean number of running requests all decoding: the floor a stream's
 inter-token latency could reach if no prefill ever joined its steps.
+
+``--in-process N`` skips HTTP: N pairs of engine-only runs (mixed, then alternating) of
+the Poisson workload in this process, for output tokens/s and median inter-token latency
+without the server's own per-token cost.
 """
 
 from __future__ import annotations
