@@ -1,6 +1,7 @@
 """Offline throughput: hiserve's Engine against HF ``generate`` on the same model and prompts.
 
     python -m bench.offline [--model default] [--num-requests 32] [--skip-hf]
+                            [--disable-mixed-batches]
 
 Prints output tokens/s for a batch of requests with varied prompt and output lengths
 (HF runs them as one left-padded batch to the longest output and is credited only with
@@ -223,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="only measure the engine")
     parser.add_argument(
+        "--disable-mixed-batches",
+        action="store_true",
+        help="alternate prefill and decode steps (the server flag of the same name)",
+    )
+    parser.add_argument(
         "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="engine attention"
     )
     args = parser.parse_args(argv)
@@ -237,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             max_running_requests=64,
             enable_prefix_cache=False,
             attention_backend=args.attention_backend,
+            enable_mixed_batches=not args.disable_mixed_batches,
         )
     )
     prompts, out_lens = make_workload(

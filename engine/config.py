@@ -72,6 +72,9 @@ class SchedulerConfig(CacheConfig):
     max_prefill_tokens: int = 4096
     chunked_prefill_size: int = 1024
     schedule_policy: str = "fcfs"
+    # One forward holds the running requests' decode tokens and new prefill chunks
+    # together (SGLang's --enable-mixed-chunk); False: prefill and decode steps alternate.
+    enable_mixed_batches: bool = True
     # Context length; None: the model config's max_position_embeddings.
     max_model_len: int | None = None
     max_stop_strings: int = 16

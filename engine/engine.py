@@ -304,18 +304,19 @@ class Engine:
     def _log_prefill(self, batch: ScheduledBatch, seconds: float) -> None:
         if not logger.isEnabledFor(logging.INFO):
             return
-        new = batch.num_tokens
+        prefills = batch.prefill_reqs
         logger.info(
             "prefill batch: %d reqs, %d new tokens, cached %d device / %d host / %d storage, "
-            "running %d, waiting %d, %.0f tok/s",
-            len(batch.reqs),
-            new,
-            sum(r.cached_device for r in batch.reqs),
-            sum(r.cached_host for r in batch.reqs),
-            sum(r.cached_storage for r in batch.reqs),
+            "%d decodes mixed in, running %d, waiting %d, %.0f tok/s",
+            len(prefills),
+            batch.num_prefill_tokens,
+            sum(r.cached_device for r in prefills),
+            sum(r.cached_host for r in prefills),
+            sum(r.cached_storage for r in prefills),
+            batch.num_decodes,
             len(self.scheduler.running),
             len(self.scheduler.waiting),
-            new / max(seconds, 1e-9),
+            batch.num_tokens / max(seconds, 1e-9),
         )
 
     # ------------------------------------------------------------------ offline
@@ -361,6 +362,7 @@ class Engine:
             "running": len(running),
             "waiting": len(self.scheduler.waiting),
             "retractions_total": self.scheduler.num_retractions,
+            "mixed_steps_total": self.scheduler.num_mixed_steps,
             "evicted_device_tokens_total": manager.tree.evicted_device_tokens,
         }
         stats.update(self.counters)

@@ -100,6 +100,7 @@ class ModelRunner:
         )
         meta = AttentionMetadata(
             is_decode=batch.is_decode,
+            num_decodes=batch.num_decodes,
             out_slots=out_slots,
             req_rows=req_rows,
             seq_lens=seq_lens_t,

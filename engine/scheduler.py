@@ -44,9 +44,13 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class ScheduledBatch:
-    """One forward pass: sequence b computes tokens ``[starts[b], starts[b]+extend_lens[b])``."""
+    """One forward pass: sequence b computes tokens ``[starts[b], starts[b]+extend_lens[b])``.
 
-    is_decode: bool
+    The first ``num_decodes`` sequences decode one token each; the rest are prefill chunks
+    (a mixed batch has both).
+    """
+
+    num_decodes: int
     reqs: list[Req]
     starts: list[int]
     extend_lens: list[int]
@@ -59,12 +63,43 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
 
+    @property
+    def is_decode(self) -> bool:
+        return self.num_decodes == len(self.reqs)
+
+    @property
+    def is_mixed(self) -> bool:
+        return 0 < self.num_decodes < len(self.reqs)
+
+    @property
+    def prefill_reqs(self) -> list[Req]:
+        return self.reqs[self.num_decodes :]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.extend_lens[self.num_decodes :])
+
+    @classmethod
+    def merge(cls, decode: ScheduledBatch, prefill: ScheduledBatch) -> ScheduledBatch:
+        """One mixed forward: ``decode``'s sequences first, then ``prefill``'s chunks."""
+        return cls(
+            decode.num_decodes,
+            decode.reqs + prefill.reqs,
+            decode.starts + prefill.starts,
+            decode.extend_lens + prefill.extend_lens,
+            torch.cat([decode.out_slots, prefill.out_slots]),
+            decode.sample + prefill.sample,
+            decode.retracted,
+        )
+
 
 class Scheduler:
     """Continuous batching over one KV manager.
 
-    Prefill goes first (bounded by ``max_prefill_tokens``, long prompts cut into chunks of
-    ``chunked_prefill_size``); otherwise every running request decodes one token.
+    With mixed batches (the default) every step decodes one token of each running request
+    and fills the rest of ``max_prefill_tokens`` with prefill chunks (long prompts cut
+    into chunks of ``chunked_prefill_size``), all in one forward. Without them prefill
+    steps and decode steps alternate.
     Admission counts free plus evictable KV and keeps ``new_token_ratio`` of the tokens
     the running requests may still produce in reserve; if decode still runs out, the
     requests that generated least are retracted and requeued.
@@ -84,6 +119,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, holding KV (prefill may be unfinished)
         self.num_retractions = 0
+        self.num_mixed_steps = 0  # forwards that held decodes and prefill chunks together
         self.out_of_memory: list[Req] = []  # ended for lack of KV; the engine drains it
         self._last_was_prefill = False
         self._arrivals = 0
@@ -142,10 +178,10 @@ class Scheduler:
         return False
 
     def land_prefill(self, batch: ScheduledBatch) -> None:
-        """After a prefill batch ran: put each request's computed pages in the tree."""
+        """After a batch with prefill chunks ran: put their computed pages in the tree."""
         if batch.is_decode or not self.kv.tree.enabled:
             return
-        for req in batch.reqs:
+        for req in batch.prefill_reqs:
             if req.status == ReqStatus.RUNNING:
                 self.kv.cache_prefix(req)
 
@@ -174,6 +210,29 @@ class Scheduler:
         return batch
 
     def _pick_batch(self) -> ScheduledBatch | None:
+        if self.config.enable_mixed_batches:
+            decodes = sum(1 for r in self.running if r.kv_len == r.seq_len - 1)
+            # Decodes that fill the whole token budget would starve prefill: alternate.
+            if decodes < self.config.max_prefill_tokens:
+                return self._pick_mixed()
+        return self._pick_alternating()
+
+    def _pick_mixed(self) -> ScheduledBatch | None:
+        """Every decode-ready request decodes; prefill chunks fill the rest of the budget."""
+        self._last_was_prefill = False
+        decode = self._schedule_decode()
+        if decode is None:
+            return self._schedule_prefill(self.config.max_prefill_tokens)
+        # After a retraction KV is short: continue started prefills but admit nobody, or
+        # the request just retracted would be admitted again at once.
+        budget = self.config.max_prefill_tokens - decode.num_tokens
+        prefill = self._schedule_prefill(budget, admit=not decode.retracted)
+        if prefill is None:
+            return decode
+        self.num_mixed_steps += 1
+        return ScheduledBatch.merge(decode, prefill)
+
+    def _pick_alternating(self) -> ScheduledBatch | None:
         # Prefill first, but never twice in a row while requests wait to decode: a long
         # chunked prompt then costs running requests one chunk of latency per token.
         if self._last_was_prefill:
@@ -181,15 +240,16 @@ class Scheduler:
             if batch is not None:
                 self._last_was_prefill = False
                 return batch
-        batch = self._schedule_prefill()
+        batch = self._schedule_prefill(self.config.max_prefill_tokens)
         if batch is not None:
             self._last_was_prefill = True
             return batch
         self._last_was_prefill = False
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.config.max_prefill_tokens
+    def _schedule_prefill(self, budget: int, admit: bool = True) -> ScheduledBatch | None:
+        """Prefill chunks of at most ``budget`` tokens in all: started prompts continue
+        first, then waiting requests are admitted (unless ``admit`` is False)."""
         chunk_cap = self.config.chunked_prefill_size
         reqs: list[Req] = []
         starts: list[int] = []
@@ -220,7 +280,7 @@ class Scheduler:
         # Prefills whose prompt pages are not in the tree yet (this batch's included).
         in_flight = [r for r in self.running if self._unlanded(r) > 0]
         admitted: list[Req] = []
-        for req in self._ordered_waiting():
+        for req in self._ordered_waiting() if admit else []:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if req.grammar is not None and not req.grammar.ready:
@@ -262,7 +322,7 @@ class Scheduler:
         self._count_passed(admitted)
         if not reqs:
             return None
-        return ScheduledBatch(False, reqs, starts, lens, torch.cat(slots), sample)
+        return ScheduledBatch(0, reqs, starts, lens, torch.cat(slots), sample)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         order = [r for r in self.running if r.kv_len == r.seq_len - 1]
@@ -293,7 +353,7 @@ class Scheduler:
         if not ready:
             return None
         return ScheduledBatch(
-            True,
+            len(ready),
             ready,
             [r.kv_len - 1 for r in ready],
             [1] * len(ready),

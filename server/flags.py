@@ -130,6 +130,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("max-prefill-tokens", "most new prompt tokens per step", "max_prefill_tokens"),
     FlagSpec("chunked-prefill-size", "prompt chunk size", "chunked_prefill_size"),
     FlagSpec("schedule-policy", "order of admission", "schedule_policy", choices=SCHEDULE_POLICIES),
+    FlagSpec(
+        "disable-mixed-batches",
+        "alternate prefill and decode steps instead of running decode tokens and prefill "
+        "chunks in one forward (on by default, like SGLang's --enable-mixed-chunk)",
+        "enable_mixed_batches",
+        invert=True,
+    ),
     FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
     FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
     FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),

@@ -66,6 +66,11 @@ _PLAIN_COUNTERS = (
     ("generation_tokens_total", "Generated tokens.", "generation_tokens_total"),
     ("requests_finished_total", "Requests that finished (any reason).", "requests_finished_total"),
     ("retractions_total", "Running requests retracted to free KV.", "retractions_total"),
+    (
+        "mixed_steps_total",
+        "Forward passes holding decode tokens and prefill chunks together.",
+        "mixed_steps_total",
+    ),
     ("hicache_backup_tokens_total", "Tokens copied device -> host.", "backup_tokens_total"),
     ("hicache_backup_bytes_total", "Bytes copied device -> host.", "backup_bytes_total"),
     ("hicache_loadback_tokens_total", "Tokens copied host -> device.", "loadback_tokens_total"),

@@ -58,7 +58,15 @@ class TorchAttentionBackend(AttentionBackend):
         kv_pool.write(layer_id, meta.out_slots, k, v)
         if meta.is_decode:
             return self._decode(q, layer_id, meta, kv_pool)
-        return self._extend(q, k, v, layer_id, meta, kv_pool)
+        if meta.num_decodes == 0:
+            return self._extend(q, k, v, layer_id, meta, kv_pool)
+        # Mixed batch: its decodes (tokens [0, d)) take the batched decode path, not one
+        # SDPA call each; the prefill chunks after them go through extend as usual.
+        d = meta.num_decodes
+        decode_meta, extend_meta = meta.split_decodes()
+        decoded = self._decode(q[:d], layer_id, decode_meta, kv_pool)  # [d, q_heads * D]
+        extended = self._extend(q[d:], k[d:], v[d:], layer_id, extend_meta, kv_pool)
+        return torch.cat([decoded, extended])  # [T, q_heads * head_dim]
 
     # ---- decode: every sequence has one new token --------------------------------------
 

@@ -12,6 +12,8 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.grammar_spec import GrammarError, GrammarSpec
+from engine.request import RequestOutput
+from tests.unit.mixed_log import StepLog
 
 SCHEMA = {
     "type": "object",
@@ -144,3 +146,31 @@ def test_abort_while_compiling_frees_everything(engine: Engine) -> None:
     assert out is not None and out.finish_reason == "abort" and out.error is None
     assert engine.step() == [] and not engine.has_work
     assert engine.grammars.waiting == []
+
+
+def test_json_request_inside_mixed_steps(engine: Engine) -> None:
+    """A constrained request prefills and decodes in the same forwards as plain ones."""
+    eng = engine
+    log = StepLog(eng)
+    try:
+        plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        eng.add_request(PROMPT, plain, request_id="plain0")
+        eng.add_request(PROMPT + "Sure", plain, request_id="plain1")
+        done: dict[str, RequestOutput] = {}
+        for step in range(200):
+            if step == 2:
+                params = SamplingParams(max_tokens=80, temperature=0, grammar=spec())
+                eng.add_request(PROMPT, params, request_id="json")
+                req = eng.requests["json"]
+                assert req.grammar is not None
+                req.grammar.future.result(timeout=120)  # compiled before the next step
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            if not eng.has_work:
+                break
+        assert set(done) == {"plain0", "plain1", "json"}
+        assert log.first_steps()["json"].is_mixed
+        # Its masked rows were sampled beside the other requests' rows in one batch.
+        assert any("json" in s.sampled and len(s.sampled) > 1 for s in log.steps)
+        jsonschema.validate(json.loads(done["json"].text), SCHEMA)
+    finally:
+        log.restore()

@@ -58,6 +58,7 @@ def test_cli_flags_map_onto_config() -> None:
             "--hicache-host-alloc",
             "pageable",
             "--disable-radix-cache",
+            "--disable-mixed-batches",
             "--schedule-policy",
             "lpm",
             "--max-model-len",
@@ -92,6 +93,7 @@ def test_cli_flags_map_onto_config() -> None:
         hicache_mem_layout="page_first",
         hicache_host_alloc="pageable",
         enable_prefix_cache=False,
+        enable_mixed_batches=False,
         schedule_policy="lpm",
         max_model_len=1024,
         seed=7,
@@ -112,6 +114,7 @@ def test_env_fills_unset_flags_and_cli_wins() -> None:
         "HISERVE_ENABLE_HIERARCHICAL_CACHE": "true",
         "HISERVE_PORT": "9100",
         "HISERVE_DISABLE_RADIX_CACHE": "1",
+        "HISERVE_DISABLE_MIXED_BATCHES": "yes",
         "HISERVE_API_KEY": "from-env",
         "HISERVE_HICACHE_SIZE": "none",
     }
@@ -119,6 +122,7 @@ def test_env_fills_unset_flags_and_cli_wins() -> None:
     assert args.engine.kv_cache_tokens == 2048
     assert args.engine.enable_hierarchical_cache is True
     assert args.engine.enable_prefix_cache is False
+    assert args.engine.enable_mixed_batches is False
     assert args.engine.hicache_size is None
     assert (args.port, args.api_key) == (9100, "from-env")
     args = parse_args(
