@@ -57,7 +57,7 @@ class WorkerSpec:
     rank: int
     size: int
     device: platform.DeviceSpec
-    init_method: str
+    store_path: str  # the FileStore of the rendezvous
     config: EngineConfig
     model_path: str
     log_level: int
@@ -74,6 +74,26 @@ def device_ids(text: str | None) -> list[int] | None:
         raise ValueError(
             f"tensor_parallel_devices={text!r} must list device indices, e.g. '0,1'"
         ) from None
+
+
+def rank_ready_key(rank: int) -> str:
+    return f"hiserve/rank{rank}/started"
+
+
+def wait_for_ranks(store: dist.Store, workers: list[Any]) -> None:
+    """Wait until every worker (rank 1..) has started and is about to join the group;
+    raise TPRankDiedError at once if one exits first (never wait out the timeout)."""
+    keys = [rank_ready_key(rank) for rank in range(1, len(workers) + 1)]
+    while not store.check(keys):
+        dead = [(r, p) for r, p in enumerate(workers, start=1) if not p.is_alive()]
+        if dead:
+            rank, process = dead[0]
+            raise TPRankDiedError(
+                f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                f"{process.exitcode} while starting (its log lines above say why)"
+            )
+        # Blocks until a worker exits or 0.2 s pass, whichever is first.
+        multiprocessing.connection.wait([p.sentinel for p in workers], timeout=0.2)
 
 
 def new_control_group() -> Any:
@@ -121,7 +141,8 @@ class TPRuntime:
         self._journal: list[KVCopy] = []
         self._table_journal: list[tuple[int, int, torch.Tensor]] = []
         self._tmp = tempfile.mkdtemp(prefix="hiserve-tp-")
-        init_method = f"file://{self._tmp}/rendezvous"
+        store_path = os.path.join(self._tmp, "rendezvous")
+        store = dist.FileStore(store_path, self.size)
         threads = max(1, (os.cpu_count() or 1) // self.size)
         context = multiprocessing.get_context("spawn")
         from engine.tp_worker import worker_main
@@ -132,7 +153,7 @@ class TPRuntime:
                 rank,
                 self.size,
                 devices[rank],
-                init_method,
+                store_path,
                 config,
                 str(model_path),
                 logging.getLogger().getEffectiveLevel(),
@@ -154,8 +175,9 @@ class TPRuntime:
         self._monitor = threading.Thread(target=self._watch, name="hiserve-tp-monitor", daemon=True)
         self._monitor.start()
         try:
+            wait_for_ranks(store, self.workers)
             distributed.init_process_group(
-                devices[0], 0, self.size, init_method, COLLECTIVE_TIMEOUT_S
+                devices[0], 0, self.size, timeout_s=COLLECTIVE_TIMEOUT_S, store=store
             )
             self.control = new_control_group()
         except BaseException:

@@ -19,7 +19,13 @@ from engine.layers.parallel_linear import TPShard
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.tp_mirror import KVGeometry, RankKV, StepMessage
-from engine.tp_runtime import COLLECTIVE_TIMEOUT_S, WorkerSpec, agreed_kv_config, new_control_group
+from engine.tp_runtime import (
+    COLLECTIVE_TIMEOUT_S,
+    WorkerSpec,
+    agreed_kv_config,
+    new_control_group,
+    rank_ready_key,
+)
 
 logger = logging.getLogger("hiserve.tp")
 
@@ -53,8 +59,10 @@ def serve_rank(spec: WorkerSpec) -> None:
         torch.set_num_threads(spec.num_threads)
     dtype = dtypes.parse_dtype(config.dtype, device_spec)
     torch.manual_seed(config.seed)
+    store = dist.FileStore(spec.store_path, spec.size)
+    store.set(rank_ready_key(spec.rank), "1")
     distributed.init_process_group(
-        device_spec, spec.rank, spec.size, spec.init_method, COLLECTIVE_TIMEOUT_S
+        device_spec, spec.rank, spec.size, timeout_s=COLLECTIVE_TIMEOUT_S, store=store
     )
     control = new_control_group()
     model: Any = loader.load_model(
