@@ -31,7 +31,12 @@ TP_CASES = {
     # Row-parallel biases (o_proj, down_proj) must be added once, not once per rank.
     "llama_bias": lambda: LlamaConfig(**_COMMON, attention_bias=True, mlp_bias=True),
 }
-PARAMS = [(name, 2) for name in TP_CASES] + [("llama_bias", 4)]  # 4 ranks, 2 KV heads
+# (case, ranks, attention backend); 4 ranks over 2 KV heads replicate each on 2 ranks.
+PARAMS = [(name, 2, "torch") for name in TP_CASES] + [
+    ("llama_bias", 4, "torch"),
+    ("llama_bias", 2, "cpu_native"),
+    ("gemma2", 2, "cpu_native"),
+]
 
 
 # ---------------------------------------------------------------- shapes and errors
@@ -120,10 +125,10 @@ def test_slices_of_a_checkpoint() -> None:
 # ---------------------------------------------------------------- sharded models vs HF
 
 
-@pytest.fixture(scope="module", params=PARAMS, ids=lambda p: f"{p[0]}-tp{p[1]}")
+@pytest.fixture(scope="module", params=PARAMS, ids=lambda p: f"{p[0]}-tp{p[1]}-{p[2]}")
 def sharded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """(HF model, full engine model, the ranks' models, their hub, prompts)."""
-    name, size = request.param
+    name, size, backend = request.param
     config = TP_CASES[name]()
     hf_model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager"
@@ -136,10 +141,10 @@ def sharded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     hf_model.generation_config.pad_token_id = 0
     path: Path = tmp_path_factory.mktemp(name)
     hf_model.save_pretrained(path, max_shard_size="100KB" if name.endswith("_sharded") else "5GB")
-    full = load_model(path, torch.device("cpu"), torch.float32, attention_backend="torch")
+    full = load_model(path, torch.device("cpu"), torch.float32, attention_backend=backend)
     shards = thread_shards(size)
     ranks = [
-        load_model(path, torch.device("cpu"), torch.float32, attention_backend="torch", tp=s)
+        load_model(path, torch.device("cpu"), torch.float32, attention_backend=backend, tp=s)
         for s in shards
     ]
     gen = torch.Generator().manual_seed(7)
