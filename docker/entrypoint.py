@@ -151,6 +151,24 @@ def server_command(args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "server", *args]
 
 
+def _tp_ranks(args: list[str], env: Mapping[str, str]) -> int | None:
+    """GPUs a tensor-parallel server uses (1 without TP), from ``--tp`` /
+    ``--tensor-parallel-size`` or the environment; None when the ranks' devices are
+    listed explicitly (``HISERVE_TENSOR_PARALLEL_DEVICES`` / ``--tensor-parallel-devices``)."""
+    names = [arg.partition("=")[0] for arg in args]
+    if env.get("HISERVE_TENSOR_PARALLEL_DEVICES") or "--tensor-parallel-devices" in names:
+        return None
+    text = env.get("HISERVE_TENSOR_PARALLEL_SIZE", "1")
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--tp", "--tensor-parallel-size"):
+            text = value if eq else (args[i + 1] if i + 1 < len(args) else text)
+    try:
+        return max(1, int(text))
+    except ValueError:
+        return 1  # the server rejects it with its own message
+
+
 def _cli_device(args: list[str]) -> tuple[int, str, str] | None:
     """Position, value and prefix of a ``--device`` given on the command line, if any."""
     for i, arg in enumerate(args):
@@ -170,7 +188,9 @@ def prepare(args: list[str], env: MutableMapping[str, str]) -> list[str]:
     pairing = visible_devices_warning(requested, env)
     if pairing:
         log(f"warning: {pairing}")
-    spec = pin_visible_device(requested, env)
+    ranks = _tp_ranks(args, env)
+    # An explicit rank device list names GPUs by their host index: leave visibility alone.
+    spec = requested if ranks is None else pin_visible_device(requested, env, ranks)
     label = str(requested)
     if spec != requested:
         var = VISIBLE_DEVICES_VAR[spec.type]

@@ -77,17 +77,20 @@ def _bad_device_message(text: str) -> str:
     )
 
 
-def pin_visible_device(spec: DeviceSpec, env: MutableMapping[str, str]) -> DeviceSpec:
-    """Restrict the process to the requested GPU before torch is imported.
+def pin_visible_device(
+    spec: DeviceSpec, env: MutableMapping[str, str], count: int = 1
+) -> DeviceSpec:
+    """Restrict the process to the requested GPU(s) before torch is imported.
 
-    ``musa:N`` with ``MUSA_VISIBLE_DEVICES`` unset sets it to ``N``; the process then
-    sees that GPU as index 0, so the returned spec is ``musa:0``. When the user set the
-    variable already, the index keeps its meaning within that list and is not touched.
+    ``musa:N`` with ``MUSA_VISIBLE_DEVICES`` unset sets it to ``N`` (``N,N+1`` for
+    ``count=2``: the GPUs of a tensor-parallel server); the process then sees them from
+    index 0, so the returned spec is ``musa:0``. When the user set the variable already,
+    the index keeps its meaning within that list and is not touched.
     """
     var = VISIBLE_DEVICES_VAR.get(spec.type)
     if var is None or spec.index is None or env.get(var, "").strip():
         return spec
-    env[var] = str(spec.index)
+    env[var] = ",".join(str(spec.index + i) for i in range(count))
     return DeviceSpec(spec.type, 0)
 
 

@@ -108,7 +108,19 @@ class AsyncEngine:
             self._thread.start()
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self._error is None
+            and getattr(self.engine, "failure", None) is None  # e.g. a dead TP rank
+        )
+
+    def watch_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)``, from another thread, when the engine can no longer run
+        (a tensor-parallel rank died): the server then exits non-zero."""
+        watch = getattr(self.engine, "watch_fatal", None)
+        if watch is not None:
+            watch(callback)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish for ``grace_s``, abort the rest."""

@@ -33,6 +33,10 @@ class ModelConfig:
     # Where converted GGUF models are cached; None: $HISERVE_CACHE_DIR or ~/.cache/hiserve.
     cache_dir: str | None = None
     seed: int = 0
+    # Ranks (devices, one process each) the model's heads and MLPs are split over.
+    tensor_parallel_size: int = 1
+    # Device indices of the ranks, e.g. "2,3"; None: consecutive from --device's index.
+    tensor_parallel_devices: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,14 @@ class EngineConfig(SchedulerConfig):
                     "store every token on its own: use --page-size 16 to 64 with "
                     "--hicache-storage-backend"
                 )
+        if self.tensor_parallel_size > 1 and self.hicache_storage_backend != "none":
+            raise ValueError(
+                "the L3 storage tier does not support tensor parallelism yet (each rank's "
+                "pages would need their own store keys): drop --hicache-storage-backend or "
+                "use --tensor-parallel-size 1"
+            )
         for name in (
+            "tensor_parallel_size",
             "page_size",
             "max_running_requests",
             "max_prefill_tokens",

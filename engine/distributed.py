@@ -3,8 +3,8 @@ devices the ranks get, and starting the group.
 
 NOTE: the backend is chosen by the bare device type, never the raw string (``musa:0``
 uses the ``musa`` entry), the same rule as host allocation in engine/platform.py.
-Full ``--tp`` serving (sharded layers, rank workers) is not built yet; this module is
-its first piece.
+The sharded layers are in engine/layers/parallel_linear.py and engine/models/tp_shard.py,
+the rank processes in engine/tp_runtime.py (rank 0) and engine/tp_worker.py.
 """
 
 from __future__ import annotations
@@ -108,15 +108,19 @@ def init_process_group(
     device: str | torch.device | DeviceSpec,
     rank: int,
     world_size: int,
-    init_method: str,
+    init_method: str | None = None,
     timeout_s: float = 600.0,
+    store: dist.Store | None = None,
 ) -> str:
-    """Join the tensor-parallel group as ``rank`` with the device's backend; returns it."""
+    """Join the tensor-parallel group as ``rank`` with the device's backend (rendezvous
+    through ``init_method``, or an already open ``store``); returns the backend."""
     backend = check_collective_backend(device)
-    logger.info("rank %d/%d joins the %s group at %s", rank, world_size, backend, init_method)
+    where = init_method if store is None else type(store).__name__
+    logger.info("rank %d/%d joins the %s group through %s", rank, world_size, backend, where)
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
+        init_method=init_method if store is None else None,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),

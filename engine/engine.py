@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,11 @@ from engine.grammar import EngineGrammars, GrammarBackend
 from engine.grammar_spec import check_spec
 from engine.kv_setup import KVSetup, build_kv
 from engine.model_runner import ModelRunner
-from engine.outputs import make_output, stop_checker_of
+from engine.outputs import check_stop, make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
 from engine.sampler import Sampler, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.tp_runtime import TPRuntime
 
 logger = logging.getLogger("hiserve.engine")
 
@@ -46,8 +47,38 @@ class Engine:
         self.model_path: Path = loader.resolve_model_path(config.model, config.cache_dir)
         self.hf_config = loader.load_hf_config(self.model_path)
         self.tokenizer = loader.load_tokenizer(self.model_path)
+        # Tensor parallel: workers start now and load their shards while rank 0 does.
+        self.tp = (
+            TPRuntime(config, self.device_spec, self.model_path)
+            if config.tensor_parallel_size > 1
+            else None
+        )
+        try:
+            self._build(config)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.stop(graceful=False)
+            raise
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d "
+            "max_model_len=%d tp=%d",
+            self.model_path,
+            self.device_spec,
+            str(self.dtype)[6:],
+            self.kv.manager.capacity,
+            config.page_size,
+            self.max_model_len,
+            config.tensor_parallel_size,
+        )
+
+    def _build(self, config: EngineConfig) -> None:
+        """Model, KV, scheduler, sampler and runner (this rank's shard under TP)."""
         self.model = loader.load_model(
-            self.model_path, self.device, self.dtype, config.attention_backend
+            self.model_path,
+            self.device,
+            self.dtype,
+            config.attention_backend,
+            self.tp.shard if self.tp is not None else None,
         )
         backend: Any = getattr(self.model, "attn_backend", None)
         self.attention_backend: str = backend.name if backend is not None else "unknown"
@@ -61,9 +92,12 @@ class Engine:
         )
         self.eos_token_ids = loader.eos_token_ids_of(self.hf_config, self.tokenizer)
 
+        shard_config = self.model.config  # the rank's heads and MLP share under TP
+        if self.tp is not None:
+            config = self.tp.agree_kv(config, shard_config, self.device_spec, self.dtype)
         self.kv: KVSetup = build_kv(
             config,
-            self.hf_config,
+            shard_config,
             self.device_spec,
             self.device,
             self.dtype,
@@ -101,15 +135,8 @@ class Engine:
             0,
         )
         self.check_invariants = False  # tests turn this on: accounting checked every step
-        logger.info(
-            "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d max_model_len=%d",
-            self.model_path,
-            self.device_spec,
-            str(self.dtype)[6:],
-            self.kv.manager.capacity,
-            config.page_size,
-            self.max_model_len,
-        )
+        if self.tp is not None:
+            self.tp.attach(self.kv, self.runner)
 
     # ------------------------------------------------------------------ input
     def tokenize(self, prompt: PromptType) -> list[int]:
@@ -244,7 +271,7 @@ class Engine:
                 self._finish(req, FinishReason.ABORT)
                 outputs.append(make_output(req, finished=True))
                 continue
-            reason = self._check_stop(req, token)
+            reason = check_stop(req, token, self.eos_token_ids, self.max_model_len)
             if req.grammar is not None and req.grammar.terminated:
                 # NOTE: a completed grammar is a complete output, even at max_tokens.
                 reason = FinishReason.STOP
@@ -252,30 +279,6 @@ class Engine:
                 self._finish(req, reason)
             outputs.append(make_output(req, finished=req.finished))
         return outputs
-
-    def _check_stop(self, req: Req, token: int) -> FinishReason | None:
-        params = req.params
-        n_out = len(req.output_ids)
-        past_min = n_out >= params.min_tokens
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if past_min and token in params.stop_token_ids:
-            req.stop_reason = token
-            return FinishReason.STOP
-        assert req.detok is not None
-        delta = req.detok.add([token])
-        if delta:
-            start = len(req.text)
-            req.text += delta
-            if params.stop and past_min:
-                hit = stop_checker_of(req).check(req.text, start)
-                if hit is not None:
-                    req.text = req.text[: hit[0]]
-                    req.stop_reason = hit[1]
-                    return FinishReason.STOP
-        if n_out >= params.max_tokens or req.seq_len >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         # A matched stop string already cut the text; otherwise emit what was held back.
@@ -379,9 +382,22 @@ class Engine:
             "max_model_len": self.max_model_len,
             "kv_total_tokens": self.kv.manager.capacity,
             "page_size": self.config.page_size,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             **self.kv.host_health(),
         }
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can no longer run (a tensor-parallel rank died), else None."""
+        return self.tp.failure if self.tp is not None else None
+
+    def watch_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)``, from any thread, if the engine stops being able to run."""
+        if self.tp is not None:
+            self.tp.watch(callback)
 
     def close(self) -> None:
         self.grammars.close()
         self.kv.close()
+        if self.tp is not None:
+            self.tp.stop()

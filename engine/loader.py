@@ -24,7 +24,9 @@ from torch import nn
 
 from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
+from engine.layers.parallel_linear import TPShard
 from engine.models.registry import get_model_class
+from engine.models.weights import load_named_weights
 
 logger = logging.getLogger(__name__)
 
@@ -297,21 +299,34 @@ def load_model(
     device: torch.device | str,
     dtype: torch.dtype,
     attention_backend: str = "auto",
+    tp: TPShard | None = None,
 ) -> nn.Module:
     """Build the registered model class for ``path`` on ``device`` in ``dtype``, load weights, eval().
 
-    On the CPU the linear layers switch to oneDNN-packed weights (set
-    ``HISERVE_CPU_ONEDNN=0`` to keep plain ``F.linear``).
+    ``tp``: build and load only this tensor-parallel rank's part (engine/models/tp_shard.py);
+    ``model.config`` is then the rank's share of the config. On the CPU the linear layers
+    switch to oneDNN-packed weights (set ``HISERVE_CPU_ONEDNN=0`` to keep ``F.linear``).
     """
+    from engine.models import tp_shard
+
     device = torch.device(device) if isinstance(device, str) else device
     hf_config = load_hf_config(path)
     model_cls = get_model_class(hf_config)
     backend = get_attention_backend(attention_backend, device, dtype)
+    sharded = tp is not None and tp.size > 1
     # Build on the meta device: no memory, no random init; then allocate once, in dtype.
     with torch.device("meta"):
-        model = model_cls(hf_config, backend)
+        if tp is not None and sharded:
+            model = model_cls(tp_shard.shard_config(hf_config, tp.size), backend)
+            tp_shard.use_row_parallel(model, tp)
+        else:
+            model = model_cls(hf_config, backend)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(iter_safetensors(path))
+    if tp is not None and sharded:
+        slicer = tp_shard.CheckpointSlicer(hf_config, tp)
+        load_named_weights(model, iter_safetensors(path), model.map_name, slicer)
+    else:
+        model.load_weights(iter_safetensors(path))
     if (
         device.type == "cpu"
         and os.environ.get("HISERVE_CPU_ONEDNN", "1") != "0"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,21 @@ from engine.layers.attention_meta import AttentionMetadata
 from engine.request import Req
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    """What one forward reads, as plain Python (rank 0 sends it to the other TP ranks)."""
+
+    is_decode: bool  # every sequence decodes one token
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    out_slots: torch.Tensor  # [T] int64 on the CPU: KV slot of each new token
+    req_rows: list[int]  # [B] request-table rows
+    prefix_lens: list[int]  # [B] tokens already in the KV pool
+    extend_lens: list[int]  # [B] new tokens per sequence
+    sample_ends: list[int]  # index of each sampling sequence's last token
+    num_decodes: int = 0  # a mixed batch: its first num_decodes sequences decode
 
 
 class ModelRunner:
@@ -40,6 +56,8 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.masker: TokenMasker | None = None  # the engine's, for constrained requests
+        # Tensor parallel (rank 0): hands each step's inputs to the other ranks.
+        self.on_step: Callable[[StepInputs], None] | None = None
 
     def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
         """Every int64 input of one step in one buffer, one host -> device copy.
@@ -87,38 +105,68 @@ class ModelRunner:
                 sampling.append(req)
         return ends, sampling
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Forward ``batch``; sample for the rows whose prompt is complete."""
-        self.req_table.flush()  # this step's table writes, before attention reads them
+    def step_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Req]]:
+        """The forward's inputs as plain Python, and the requests that sample after it."""
         ids, positions = self._host_inputs(batch)
         ends, sampling = self._sample_ends(batch)
-        rows = [r.row for r in batch.reqs]
-        seq_lens = [s + n for s, n in zip(batch.starts, batch.extend_lens)]
-        input_ids, positions_t, out_slots, req_rows, seq_lens_t, ends_t = self._upload(
-            [ids, positions, batch.out_slots, rows, seq_lens, ends]
-        )
-        meta = AttentionMetadata(
+        inputs = StepInputs(
             is_decode=batch.is_decode,
             num_decodes=batch.num_decodes,
+            input_ids=ids,
+            positions=positions,
+            out_slots=batch.out_slots,
+            req_rows=[r.row for r in batch.reqs],
+            prefix_lens=list(batch.starts),
+            extend_lens=list(batch.extend_lens),
+            sample_ends=ends,
+        )
+        return inputs, sampling
+
+    def forward(self, inputs: StepInputs, kv_loads: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model on ``inputs``: hidden states ``[T, hidden]`` and the sampling rows'
+        indices ``[num_sampling]`` into them. Every tensor-parallel rank runs this."""
+        rows = inputs.req_rows
+        seq_lens = [s + n for s, n in zip(inputs.prefix_lens, inputs.extend_lens)]
+        input_ids, positions_t, out_slots, req_rows, seq_lens_t, ends_t = self._upload(
+            [
+                inputs.input_ids,
+                inputs.positions,
+                inputs.out_slots,
+                rows,
+                seq_lens,
+                inputs.sample_ends,
+            ]
+        )
+        meta = AttentionMetadata(
+            is_decode=inputs.is_decode,
+            num_decodes=inputs.num_decodes,
             out_slots=out_slots,
             req_rows=req_rows,
             seq_lens=seq_lens_t,
             req_table=self.req_table.table,
-            prefix_lens_list=list(batch.starts),
-            extend_lens_list=list(batch.extend_lens),
+            prefix_lens_list=inputs.prefix_lens,
+            extend_lens_list=inputs.extend_lens,
             seq_lens_list=seq_lens,
             max_seq_len=max(seq_lens),
             req_rows_list=rows,
-            kv_loads=batch.kv_loads,
+            kv_loads=kv_loads,
         )
+        return self.model(input_ids, positions_t, meta, self.kv_pool), ends_t
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """Forward ``batch``; sample for the rows whose prompt is complete."""
+        self.req_table.flush()  # this step's table writes, before attention reads them
+        inputs, sampling = self.step_inputs(batch)
+        if self.on_step is not None:
+            self.on_step(inputs)  # tensor parallel: the other ranks run the same forward
         # Grammar masks are filled on the host before the forward (which a GPU runs
         # asynchronously, so the two overlap there).
         mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
-        hidden = self.model(input_ids, positions_t, meta, self.kv_pool)  # [T, hidden]
+        hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
         if not sampling:
             return None
-        if len(ends) != hidden.shape[0]:
+        if len(sampling) != hidden.shape[0]:
             hidden = hidden.index_select(0, ends_t)  # [num_sampling, hidden]
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self.sampler(logits, sampling, self.eos_token_ids, mask)

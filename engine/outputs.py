@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from engine.detokenizer import StopChecker
-from engine.request import Req, RequestOutput
+from engine.request import FinishReason, Req, RequestOutput
 
 
 def stop_checker_of(req: Req) -> StopChecker:
@@ -57,3 +59,32 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
         arrival_time=req.arrival_time,
         error=req.error if finished else None,
     )
+
+
+def check_stop(
+    req: Req, token: int, eos_token_ids: Collection[int], max_model_len: int
+) -> FinishReason | None:
+    """Why ``req`` ends after sampling ``token`` (EOS, a stop token or string, a length
+    limit), or None; a matched stop string is cut from ``req.text``."""
+    params = req.params
+    n_out = len(req.output_ids)
+    past_min = n_out >= params.min_tokens
+    if past_min and not params.ignore_eos and token in eos_token_ids:
+        return FinishReason.STOP
+    if past_min and token in params.stop_token_ids:
+        req.stop_reason = token
+        return FinishReason.STOP
+    assert req.detok is not None
+    delta = req.detok.add([token])
+    if delta:
+        start = len(req.text)
+        req.text += delta
+        if params.stop and past_min:
+            hit = stop_checker_of(req).check(req.text, start)
+            if hit is not None:
+                req.text = req.text[: hit[0]]
+                req.stop_reason = hit[1]
+                return FinishReason.STOP
+    if n_out >= params.max_tokens or req.seq_len >= max_model_len:
+        return FinishReason.LENGTH
+    return None

@@ -112,6 +112,16 @@ def create_app(
                 trust_special_tokens=args.trust_message_special_tokens,
             )
             print(summary_line(args, engine.health()), flush=True)
+            watch = getattr(engine, "watch_fatal", None)
+            if watch is not None:
+                watch(lambda exc: loop.call_soon_threadsafe(died, exc))
+
+        def died(exc: BaseException) -> None:
+            # /health already answers 503 (the engine is not alive); exit non-zero so the
+            # container restarts, instead of serving nothing.
+            logger.error("the engine can no longer run, shutting down: %s", exc)
+            if on_fatal is not None:
+                on_fatal(exc)
 
         def failed(exc: BaseException) -> None:
             state.load_error = f"{type(exc).__name__}: {exc}"

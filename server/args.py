@@ -123,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     for spec in FLAG_TABLE:
         kind, optional, default = _resolve(spec)
         help_text = f"{spec.help} (default: {default}; env {spec.env})"
+        names = [f"--{name}" for name in (spec.flag, *spec.aliases)]
         if kind == "bool":
             parser.add_argument(
-                f"--{spec.flag}",
+                *names,
                 dest=spec.dest,
                 default=None,
                 action=argparse.BooleanOptionalAction,
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         else:
             parser.add_argument(
-                f"--{spec.flag}",
+                *names,
                 dest=spec.dest,
                 default=None,
                 type=_converter(kind, optional),

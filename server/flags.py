@@ -38,6 +38,7 @@ class FlagSpec:
     default: Any = None  # server-only flags only
     choices: tuple[str, ...] | None = None
     invert: bool = False  # the flag sets the field to the opposite boolean
+    aliases: tuple[str, ...] = ()  # other spellings of the flag (without dashes)
 
     @property
     def dest(self) -> str:
@@ -61,6 +62,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         choices=ATTENTION_BACKENDS,
     ),
     FlagSpec("cache-dir", "where converted GGUF models are cached", "cache_dir"),
+    FlagSpec(
+        "tensor-parallel-size",
+        "devices (one process each) the model is split over; heads and MLPs are sharded",
+        "tensor_parallel_size",
+        aliases=("tp",),
+    ),
+    FlagSpec(
+        "tensor-parallel-devices",
+        "device indices of the ranks, e.g. 2,3 (default: consecutive from --device's index)",
+        "tensor_parallel_devices",
+    ),
     FlagSpec("seed", "seed of the engine's default random generator", "seed"),
     FlagSpec("kv-cache-tokens", "device KV pool size in tokens", "kv_cache_tokens"),
     FlagSpec("kv-mem-fraction", "fraction of free device memory for KV", "kv_mem_fraction"),

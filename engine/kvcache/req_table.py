@@ -27,6 +27,8 @@ class ReqTable:
         )
         self._dirty: list[tuple[int, int, int]] = []  # (row, start, length) not yet uploaded
         self._free_rows: list[int] = list(range(max_rows - 1, -1, -1))
+        # Tensor parallel (rank 0): every write, for the other ranks' copies of the table.
+        self.journal: list[tuple[int, int, torch.Tensor]] | None = None
 
     @property
     def free_rows(self) -> int:
@@ -47,6 +49,8 @@ class ReqTable:
         n = slots.numel()
         if n:
             self.cpu[row, start : start + n] = slots.to(dtype=torch.int32)
+            if self.journal is not None:
+                self.journal.append((row, start, self.cpu[row, start : start + n].clone()))
             if self.on_device:
                 self._dirty.append((row, start, n))
 

@@ -4,7 +4,7 @@ device. Used by Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -40,6 +40,9 @@ class SparseMoE(nn.Module):
         self.renormalize = renormalize
         self.intermediate_size = intermediate_size
         self.act = activation_fn(activation)
+        # Tensor parallelism: each rank holds a slice of every expert's intermediate
+        # size, so the output is a partial sum that this all-reduce completes.
+        self.output_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.gate = FusedLinear(hidden_size, [num_experts])  # the router
         # gate and up rows stacked per expert: [E, 2 * intermediate, hidden]
         self.w13 = nn.Parameter(
@@ -72,6 +75,8 @@ class SparseMoE(nn.Module):
             hidden = self.act(gate_up[:, :size]) * gate_up[:, size:]  # [n, intermediate]
             expert_out = hidden @ self.w2[expert].t()  # [n, hidden]
             out.index_add_(0, token_idx, expert_out * weights[token_idx, k_pos, None])
+        if self.output_reduce is not None:
+            out = self.output_reduce(out)
         return out
 
     # ---- weights: see engine/models/weights.py -----------------------------------------

@@ -17,6 +17,8 @@ from engine.layers.linear import ALL_SHARDS
 
 # HF name -> (our parameter name, shard); None to skip the tensor.
 NameMapper = Callable[[str], "tuple[str, Any] | None"]
+# (our parameter name, shard, full tensor) -> the part this process holds (tensor parallel).
+TensorSlicer = Callable[[str, Any, torch.Tensor], torch.Tensor]
 
 
 class ShardedModule(Protocol):
@@ -34,9 +36,15 @@ def _sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
 
 
 def load_named_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], map_name: NameMapper
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    map_name: NameMapper,
+    slicer: TensorSlicer | None = None,
 ) -> None:
-    """Load every tensor of ``weights``; raise on unknown names, shapes, or missing weights."""
+    """Load every tensor of ``weights``; raise on unknown names, shapes, or missing weights.
+
+    ``slicer``: cut each checkpoint tensor to this tensor-parallel rank's part first.
+    """
     params = dict(model.named_parameters())
     sharded = _sharded_modules(model)
     loaded: set[str] = set()
@@ -46,6 +54,8 @@ def load_named_weights(
         if target is None:
             continue
         param_name, shard = target
+        if slicer is not None:
+            tensor = slicer(param_name, shard, tensor)
         module_name, _, kind = param_name.rpartition(".")
         owner = sharded.get(module_name)
         if owner is not None and param_name in params:

@@ -19,7 +19,7 @@ import yaml
 
 from bench.__main__ import build_parser as bench_parser
 from engine.config import HICACHE_HOST_ALLOC, HICACHE_MEM_LAYOUTS, HICACHE_WRITE_POLICIES
-from server.args import FLAG_TABLE
+from server.args import FLAG_TABLE, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -143,8 +143,10 @@ def test_server_environment_maps_to_real_flags(services: dict[str, Any], name: s
         "LOG_LEVEL",
         "SERVED_MODEL_NAME",
         "MAX_MODEL_LEN",
+        "TENSOR_PARALLEL_SIZE",
     }
     assert {f"HISERVE_{w}" for w in wanted} <= hiserve_keys
+    assert int(env["HISERVE_TENSOR_PARALLEL_SIZE"]) == 1  # one GPU unless asked for more
 
 
 @pytest.mark.parametrize("name", SERVERS)
@@ -373,3 +375,30 @@ def test_mooncake_services_use_flags_their_binaries_know(
     master_args = services["mooncake-master"]["command"]
     assert f"--rpc_port={master_port}" in master_args
     assert f"--http_metadata_server_port={metadata_port}" in master_args
+
+
+def test_a_replica_can_take_several_gpus_with_tp(raw: dict[str, Any]) -> None:
+    # What an operator's .env does for a model split over two GPUs per replica.
+    chosen = {
+        "HISERVE_TENSOR_PARALLEL_SIZE": "2",
+        "MTHREADS_VISIBLE_DEVICES": "0,1",
+        "HISERVE_FLEET_GPU_0": "0,1",
+        "HISERVE_FLEET_GPU_1": "2,3",
+    }
+
+    def interpolate(value: Any) -> Any:
+        if isinstance(value, str):
+            return VAR_RE.sub(lambda m: chosen.get(m.group(1), m.group(2) or ""), value)
+        if isinstance(value, dict):
+            return {k: interpolate(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [interpolate(v) for v in value]
+        return value
+
+    services = interpolate(raw["services"])
+    for name in ("hiserve", *FLEETS["fleet"][1]):
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        engine = parse_args([], environ=env).engine  # the server's own flag parsing
+        gpus = env["MTHREADS_VISIBLE_DEVICES"].split(",")
+        assert engine.tensor_parallel_size == len(gpus) == 2, name
+        assert engine.device == "musa:0"  # ranks on musa:0 and musa:1 of the visible GPUs

@@ -231,6 +231,19 @@ def test_musa_index_pins_the_visible_device(fake_musa: Path, empty_mount: Path) 
     assert "torch_musa=9.9.9+fake" in done.stderr
 
 
+@pytest.mark.parametrize("how", ["env", "cli"])
+def test_tensor_parallel_pins_one_gpu_per_rank(
+    fake_musa: Path, empty_mount: Path, how: str
+) -> None:
+    extra = {"HISERVE_TENSOR_PARALLEL_SIZE": "2"} if how == "env" else {}
+    env = musa_env(fake_musa, empty_mount, HISERVE_DEVICE="musa:1", FAKE_MUSA_GPUS="3", **extra)
+    done, _ = run_entry(env, *(["--tp", "2"] if how == "cli" else []))
+    assert done.returncode == 0, done.stderr
+    # GPUs 1 and 2 are visible, as musa:0 and musa:1: rank r runs on musa:r.
+    assert "MUSA_VISIBLE_DEVICES=1,2" in done.stderr
+    assert "HISERVE_DEVICE=musa:0" in done.stderr
+
+
 def test_user_visible_devices_are_respected(fake_musa: Path, empty_mount: Path) -> None:
     env = musa_env(
         fake_musa,

@@ -20,7 +20,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"
-OVERLAYS = ("musa", "cpu")
+OVERLAYS = ("musa", "musa-tp2", "cpu")
 SECRET = ("hiserve-api-key", "api-key")
 _PRIMITIVES: dict[str, tuple[type, ...]] = {
     "str": (str,),
@@ -155,8 +155,11 @@ def test_replicas(rendered: tuple[str, dict[tuple[str, str], Any]]) -> None:
     volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert mounts["/var/cache/hiserve"] in volumes
     limits = server["resources"].get("limits", {})
-    if overlay == "musa":
-        assert limits["mthreads.com/gpu"] == "1"
+    if overlay.startswith("musa"):
+        # One tensor-parallel rank per GPU the pod gets: musa-tp2 gives each replica two.
+        gpus = "2" if overlay == "musa-tp2" else "1"
+        assert limits["mthreads.com/gpu"] == gpus
+        assert env["HISERVE_TENSOR_PARALLEL_SIZE"] == gpus
         assert env["HISERVE_DEVICE"] == "musa:0"
         assert server["image"] == "hiserve:musa"
     else:

@@ -1,0 +1,97 @@
+"""A tensor-parallel worker process (ranks 1..N-1): load this rank's shard, mirror rank 0's
+KV, and run the forward of every step rank 0 sends until it says stop.
+
+Started by engine/tp_runtime.py with the ``spawn`` method. Any error ends the process
+with a non-zero status after logging it; rank 0's monitor then takes the server down.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine import distributed, dtypes, loader, platform
+from engine.layers.parallel_linear import TPShard
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.tp_mirror import KVGeometry, RankKV, StepMessage
+from engine.tp_runtime import (
+    COLLECTIVE_TIMEOUT_S,
+    WorkerSpec,
+    agreed_kv_config,
+    new_control_group,
+    rank_ready_key,
+)
+
+logger = logging.getLogger("hiserve.tp")
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Process entry point; exits 0 after rank 0's stop, 1 on any error."""
+    logging.basicConfig(
+        level=spec.log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {spec.rank}]: %(message)s",
+    )
+    try:
+        serve_rank(spec)
+    except BaseException:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        sys.exit(1)
+
+
+def _receive(control: Any) -> Any:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def serve_rank(spec: WorkerSpec) -> None:
+    """Join the group, load the shard, size the KV with rank 0, then follow its steps."""
+    config = spec.config
+    device_spec = spec.device
+    platform.set_device(device_spec)
+    device = platform.to_torch_device(device_spec)
+    if device.type == "cpu":
+        torch.set_num_threads(spec.num_threads)
+    dtype = dtypes.parse_dtype(config.dtype, device_spec)
+    torch.manual_seed(config.seed)
+    store = dist.FileStore(spec.store_path, spec.size)
+    store.set(rank_ready_key(spec.rank), "1")
+    distributed.init_process_group(
+        device_spec, spec.rank, spec.size, timeout_s=COLLECTIVE_TIMEOUT_S, store=store
+    )
+    control = new_control_group()
+    model: Any = loader.load_model(
+        spec.model_path,
+        device,
+        dtype,
+        config.attention_backend,
+        tp=TPShard(spec.rank, spec.size),
+    )
+    agreed_kv_config(config, model.config, device_spec, dtype, control)
+    geometry: KVGeometry = _receive(control)
+    kv = RankKV(geometry, model.config, dtype, device, device_spec)
+    runner = ModelRunner(
+        model,
+        kv.device_pool,
+        kv.req_table,
+        Sampler(int(model.config.vocab_size), device),
+        device,
+        (),
+    )
+    logger.info("rank %d ready on %s", spec.rank, device_spec)
+    try:
+        with torch.inference_mode():
+            while True:
+                message: StepMessage = _receive(control)
+                loads = kv.apply(message)
+                if message.inputs is None:
+                    break
+                runner.forward(message.inputs, loads)
+    finally:
+        kv.close()
+    dist.destroy_process_group()

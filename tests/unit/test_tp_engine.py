@@ -1,0 +1,154 @@
+"""``--tensor-parallel-size 2`` on the CPU: two real processes over gloo.
+
+Greedy output must be identical to one rank, for a dense (Llama) and an MoE (Qwen3-MoE)
+model, with batched prompts of different lengths, chunked prefill, prefix hits, and the
+HiCache host tier evicting KV and loading it back; a killed worker must end the engine
+cleanly (reported at once, never a hang)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import Qwen3MoeConfig
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.tp_runtime import TPRankDiedError
+from tests.conftest import TOKENIZER_FILES
+from tests.unit.hf_reference import hf_greedy, randomize
+
+MAX_TOKENS = 6
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random-weight Qwen3-MoE (routed layer 0, dense layer 1) with the default tokenizer."""
+    config = Qwen3MoeConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize(model, seed=11)
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir / name).exists():
+            (path / name).write_bytes((default_model_dir / name).read_bytes())
+    return path
+
+
+def _engine(path: Path, tp: int, **overrides: Any) -> Engine:
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            dtype="float32",
+            attention_backend="torch",
+            tensor_parallel_size=tp,
+            **{"kv_cache_tokens": 1024, "chunked_prefill_size": 16, **overrides},
+        )
+    )
+    engine.check_invariants = True
+    return engine
+
+
+def _conversations(engine: Engine) -> tuple[list[list[int]], int, int]:
+    """Two turns of four conversations: the first turn batched (prompts of 9..70 tokens,
+    chunked by 16), the second one at a time, extending each conversation (prefix hits).
+    Returns every output, and the tokens served from the device cache and the host tier."""
+    rng = random.Random(0)
+    convos = [[rng.randrange(100, 40000) for _ in range(n)] for n in (9, 40, 70, 25)]
+    outputs = [o.token_ids for o in engine.generate(convos, PARAMS)]
+    convos = [c + o for c, o in zip(convos, outputs)]
+    device_hits = host_hits = 0
+    for convo in convos:
+        convo = convo + [rng.randrange(100, 40000) for _ in range(8)]
+        out = engine.generate([convo], PARAMS)[0]
+        device_hits += out.cached_tokens - out.cached_tokens_host
+        host_hits += out.cached_tokens_host
+        outputs.append(out.token_ids)
+    return outputs, device_hits, host_hits
+
+
+@pytest.mark.slow  # two worker start-ups, 20-40 s on a shared 2-core box
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_two_ranks_give_the_greedy_output_of_one(
+    model: str, tiny_llama_dir: Path, tiny_moe_dir: Path
+) -> None:
+    path = tiny_llama_dir if model == "dense" else tiny_moe_dir
+    outputs = {}
+    for tp in (1, 2):
+        engine = _engine(path, tp)
+        try:
+            outputs[tp], device_hits, _ = _conversations(engine)
+        finally:
+            engine.close()
+        assert device_hits > 0, "the second turn never hit the prefix cache"
+    assert outputs[2] == outputs[1]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    rng = random.Random(0)
+    first = [rng.randrange(100, 40000) for _ in range(9)]
+    assert outputs[2][0] == hf_greedy(hf_model, first, MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_hicache_evicting_and_loading_back(tiny_moe_dir: Path) -> None:
+    hicache = dict(
+        kv_cache_tokens=160,  # two conversations' worth: the rest goes to the host tier
+        enable_hierarchical_cache=True,
+        hicache_ratio=8,
+        hicache_load_threshold=4,
+    )
+    outputs, host_hits = {}, {}
+    for tp in (1, 2):
+        engine = _engine(tiny_moe_dir, tp, **hicache)
+        try:
+            outputs[tp], _, host_hits[tp] = _conversations(engine)
+            assert engine.stats()["loadback_tokens_total"] > 0
+        finally:
+            engine.close()
+    assert host_hits[1] > 0 and host_hits[2] == host_hits[1]
+    assert outputs[2] == outputs[1]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_engine_cleanly(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, 2)
+    died = threading.Event()
+    errors: list[BaseException] = []
+    engine.watch_fatal(lambda exc: (errors.append(exc), died.set()))
+    try:
+        assert engine.generate([[5, 6, 7]], PARAMS)[0].token_ids  # the group works
+        assert engine.tp is not None
+        worker = engine.tp.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        assert died.wait(timeout=60), "rank 0 did not notice its worker died"
+        assert isinstance(errors[0], TPRankDiedError)
+        assert "rank 1" in str(errors[0]) and str(worker.pid) in str(errors[0])
+        assert engine.failure is errors[0]
+        with pytest.raises(TPRankDiedError):  # the next step fails at once, no hang
+            engine.generate([[8, 9, 10]], PARAMS)
+    finally:
+        engine.close()  # returns: no stop message is sent to a dead rank
+    assert not worker.is_alive()
+    assert not torch.distributed.is_initialized()
