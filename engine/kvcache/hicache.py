@@ -177,12 +177,13 @@ class HiRadixCache(RadixCache):
         self._free_host(node)
 
     def _free_host(self, node: TreeNode) -> None:
-        if node.host_value is not None and self.storage is not None:
-            self.storage.before_host_free(node)
-        if node.host_value is not None:
+        if node.host_value is None:
+            return
+        # The L3 tier keeps slots a write still reads (write_back queues the write now).
+        if self.storage is None or not self.storage.release(node):
             self.host_pool.free(node.host_value)
-            self.host_cached_tokens -= len(node.key)
-            node.host_value = None
+        self.host_cached_tokens -= len(node.key)
+        node.host_value = None
 
     def evict_host(self, num_tokens: int) -> int:
         """Free host slots of host-only leaves, LRU first."""
@@ -225,6 +226,8 @@ class HiRadixCache(RadixCache):
             self.storage.drain()
         super().evict(self.cached_tokens)
         self.evict_host(self.host_cached_tokens)
+        if self.storage is not None:
+            self.storage.drain()  # write_back: what was just evicted lands, its slots free
         return self.cached_tokens == 0 and self.host_cached_tokens == 0
 
     # ------------------------------------------------------------------ load back
@@ -323,6 +326,8 @@ class HiRadixCache(RadixCache):
         slots = self.host_pool.alloc(num_tokens)
         if slots is None:
             self.evict_host(num_tokens)
+            if self.storage is not None:
+                self.storage.poll()  # writes that landed meanwhile give their slots back
             slots = self.host_pool.alloc(num_tokens)
         return slots
 
@@ -353,11 +358,13 @@ class HiRadixCache(RadixCache):
     def check_host_invariants(self) -> None:
         held = sum(len(n.key) for n in self.nodes() if n.host_value is not None)
         assert held == self.host_cached_tokens, (held, self.host_cached_tokens)
-        # Slots L3 prefetches read into belong to no node until the read is taken.
+        # Slots L3 prefetches read into, and slots that left the tree while an L3 write
+        # reads them, belong to no node until the read is taken or the write lands.
         reading = self.storage.reading_tokens if self.storage is not None else 0
-        total = self.host_pool.available + self.host_cached_tokens + reading
+        writing = self.storage.releasing_tokens if self.storage is not None else 0
+        total = self.host_pool.available + self.host_cached_tokens + reading + writing
         assert total == self.host_pool.capacity, (
             f"host accounting broken: free {self.host_pool.available} + cached "
-            f"{self.host_cached_tokens} + L3 reads {reading} != capacity "
-            f"{self.host_pool.capacity}"
+            f"{self.host_cached_tokens} + L3 reads {reading} + L3 writes {writing} != "
+            f"capacity {self.host_pool.capacity}"
         )

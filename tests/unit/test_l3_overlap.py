@@ -1,7 +1,8 @@
 """A slow L3 store never stalls the engine loop.
 
 Prefetch: a request waits in the queue for its pages while the others keep running; it
-is admitted when they landed or its policy's deadline passed.
+is admitted when they landed or its policy's deadline passed. Write-back: a page evicted
+from the host tier is written by the writer thread, its slots freed once it landed.
 
 The store is made slow on purpose: its calls wait on an Event the test opens. The
 reference output is the same prompt recomputed by an engine without any cache; slot
@@ -166,3 +167,42 @@ def test_past_its_deadline_a_request_takes_what_has_landed(
     engine.close()  # waits for the read; its slots come back
     assert tier.orphaned_tokens == 0
 
+
+@pytest.mark.parametrize("gate", [("put_from", 0)], indirect=True)
+def test_write_back_writes_evicted_host_pages_on_the_writer_thread(
+    tiny_llama_dir: Path, tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writers: list[str] = []
+    gated_put = FileStore.put_from
+
+    def put_from(self: FileStore, *args: object) -> object:
+        writers.append(threading.current_thread().name)
+        return gated_put(self, *args)
+
+    monkeypatch.setattr(FileStore, "put_from", put_from)
+    settings = dict(hicache_write_policy="write_back", hicache_ratio=1.0)
+    engine = make_engine(tiny_llama_dir, tmp_path, **settings)
+    tree = engine.kv.manager.tree
+    tier = tree.storage  # type: ignore[attr-defined]
+    # 16 conversations of 11 pages each overflow the device (64 pages) and the host
+    # tier (64 pages): the oldest leave the host tier, which writes them to the store.
+    batch = prompts(16, 41, seed=7)
+    outs = [engine.generate([p], PARAMS)[0] for p in batch]  # invariants on every step
+    assert gate.entered.is_set() and not gate.opened.is_set()
+    assert set(writers) == {"hiserve-l3-write"}  # never the engine thread
+    # The first write is stalled; the engine went on, and the pages being written wait
+    # off the tree (not free, not lost) until it lands.
+    assert tier.releasing_tokens > 0
+    engine.kv.manager.check_invariants(engine.scheduler.running)
+    gate.opened.set()
+    tier.drain()
+    assert tier.releasing_tokens == 0
+    assert host_slots_add_up(engine)
+    assert set(writers) == {"hiserve-l3-write"}
+    engine.close()
+    # A restarted engine finds the oldest conversation in the store, with the same output.
+    again = make_engine(tiny_llama_dir, tmp_path, **settings)
+    out = again.generate([batch[0]], PARAMS)[0]
+    assert out.cached_tokens_storage == stored_len(batch[0])
+    assert out.token_ids == outs[0].token_ids
+    again.close()

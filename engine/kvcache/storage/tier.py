@@ -2,9 +2,10 @@
 
 Writes: once a tree node's KV is on the host tier, its full pages are queued for the
 store; a writer thread sends them, and until the engine thread sees the write
-acknowledged those host pages count as busy: host eviction passes them by, and freeing
-one waits for the writer. Under ``write_back`` the write happens when the host copy is
-evicted instead.
+acknowledged those host pages count as busy: host eviction passes them by. Under
+``write_back`` the write is queued when the host copy is evicted instead. A page that
+leaves the tree while a write reads it is freed once that write lands
+(``releasing_tokens``): the engine thread never waits for the store.
 
 Reads: when a request is a candidate for admission, the full pages of its prompt after
 its device and host match are looked up in the store and read into fresh host pages
@@ -91,6 +92,7 @@ class StorageTier:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hiserve-l3-read")
         self._reading: list[Prefetch] = []  # prefetches whose read holds host slots
         self._orphans: list[tuple[Future, torch.Tensor]] = []  # given-up reads, their slots
+        self._releasing: list[torch.Tensor] = []  # host slots freed once no write reads them
         self._down_until = 0.0  # monotonic time before which the store is not asked
         self._backoff_s = BACKOFF_S
         self._writer = threading.Thread(target=self._write_loop, name="hiserve-l3-write")
@@ -126,19 +128,26 @@ class StorageTier:
         """Whether a write in flight still reads any of these host slots."""
         return bool(self._busy) and any(self._busy[p] for p in self._host_pages(host_slots))
 
-    def before_host_free(self, node: TreeNode) -> None:
-        """``node``'s host pages are about to be freed (and reused)."""
+    def release(self, node: TreeNode) -> bool:
+        """``node`` leaves the host tier; under ``write_back`` its pages not yet stored are
+        queued for the writer now. True: the tier took its host slots and frees them once
+        every write reading them is acknowledged (``releasing_tokens`` meanwhile); False:
+        nothing reads them, the caller frees them at once.
+
+        NOTE: never waits for the store: the engine thread goes on while the page is
+        written, and the page stays readable until then."""
         assert node.host_value is not None
-        if self.busy(node.host_value):
-            self.drain()  # the writer still reads these pages: let it finish first
-        if self.write_policy == "write_back" and not node.in_storage:
-            pages = self._host_pages(node.host_value)
-            try:
-                done = self.store.put_from(self.node_keys(node), pages)
-            except Exception:
-                logger.exception("L3 write failed")
-                done = [False] * len(pages)
-            self._count_write(node, len(pages), sum(done))
+        if self.write_policy == "write_back" and not self.down:
+            self._enqueue(node)
+        if not self.busy(node.host_value):
+            return False
+        self._releasing.append(node.host_value)
+        return True
+
+    @property
+    def releasing_tokens(self) -> int:
+        """Host slots of pages that left the tree and wait for their write to land."""
+        return sum(int(slots.numel()) for slots in self._releasing)
 
     def _enqueue(self, node: TreeNode) -> None:
         if node.in_storage or node.host_value is None:
@@ -169,7 +178,8 @@ class StorageTier:
                 self._writes.task_done()
 
     def poll(self) -> None:
-        """Engine thread: release pages whose write was acknowledged; free orphaned reads."""
+        """Engine thread: release pages whose write was acknowledged (freeing those that
+        left the tree) and the slots of orphaned reads that ended."""
         while True:
             try:
                 node, pages, pages_done = self._acks.get_nowait()
@@ -178,6 +188,13 @@ class StorageTier:
             self._busy.subtract(pages)
             self._busy = +self._busy  # drop zero counts
             self._count_write(node, len(pages), pages_done)
+        writing = []
+        for slots in self._releasing:
+            if self.busy(slots):
+                writing.append(slots)
+            else:
+                self.host_pool.free(slots)
+        self._releasing = writing
         still = []
         for future, slots in self._orphans:
             if future.done():
