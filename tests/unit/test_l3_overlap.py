@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.l3_http import writes_pending
 from engine import Engine, SamplingParams
 from engine.kvcache.storage.file_store import FileStore
 from engine.kvcache.storage.prefetch import READ_CHUNK_PAGES
 from engine.request import ReqStatus
+from server.metrics import ServerMetrics
 from tests.unit.test_l3_engine import PAGE, PARAMS, make_engine, prompts, stored_len
 
 STALL_S = 30.0  # how long a gated store call waits before going on regardless
@@ -81,6 +83,22 @@ def run_to_end(engine: Engine) -> dict[str, list[int]]:
             if out.finished:
                 tokens[out.request_id] = out.token_ids
     return tokens
+
+
+class MetricsView:
+    """What the server's engine client offers its metrics collector."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def is_alive(self) -> bool:
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def health(self) -> dict[str, object]:
+        return self.engine.health()
 
 
 def host_slots_add_up(engine: Engine) -> bool:
@@ -193,10 +211,13 @@ def test_write_back_writes_evicted_host_pages_on_the_writer_thread(
     # The first write is stalled; the engine went on, and the pages being written wait
     # off the tree (not free, not lost) until it lands.
     assert tier.releasing_tokens > 0
+    metrics = ServerMetrics(lambda: MetricsView(engine))  # what the server's /metrics shows
+    assert writes_pending(metrics.render().decode()) > 0  # what hiserve-bench l3 waits on
     engine.kv.manager.check_invariants(engine.scheduler.running)
     gate.opened.set()
     tier.drain()
     assert tier.releasing_tokens == 0
+    assert writes_pending(metrics.render().decode()) == 0
     assert host_slots_add_up(engine)
     assert set(writers) == {"hiserve-l3-write"}
     engine.close()

@@ -368,4 +368,6 @@ class StorageTier:
     def stats(self) -> dict[str, float]:
         stats: dict[str, float] = dict(self.counters)
         stats["storage_write_queue_pages"] = sum(self._busy.values())
+        # Writes the writer has not finished (the engine thread may not have seen the acks).
+        stats["storage_writes_pending"] = self._writes.unfinished_tasks
         return stats
