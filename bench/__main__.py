@@ -3,6 +3,8 @@
     python -m bench run --base-url http://127.0.0.1:8000 --workload multiturn --json out.json
     python -m bench compare --target radix --target hicache --kv-cache-tokens 2048 --plot out.png
 
+    python -m bench l3 --backends none file mooncake   # the L3 tier, restarts and replicas
+
 ``run`` may be left out: ``python -m bench --base-url ...`` means ``run``.
 Exit status: 0 when every request succeeded, 1 when any failed or a run stopped early
 (partial results are still printed and written), 2 for bad arguments, 130 on Ctrl-C.
@@ -118,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hiserve-bench",
         description="Load-test OpenAI-compatible servers: cache-hit "
-        "rate (achieved vs ideal), TTFT, inter-token latency and throughput.",
+        "rate (achieved vs ideal), TTFT, inter-token latency and throughput. "
+        "`hiserve-bench l3 --help`: the HiCache L3 tier across restarts and replicas.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="one workload against one server URL")
@@ -271,6 +274,10 @@ def _finish(
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "l3":
+        from bench.l3_http import main as l3_main
+
+        return l3_main(argv[1:])
     if argv and argv[0] not in ("run", "compare", "-h", "--help"):
         argv.insert(0, "run")
     args = build_parser().parse_args(argv)

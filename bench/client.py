@@ -47,6 +47,7 @@ class RequestResult:
     cached_tokens: int | None = None
     cached_tokens_device: int | None = None  # per-tier split, where the server gives it
     cached_tokens_host: int | None = None
+    cached_tokens_storage: int | None = None
     worker: str | None = None  # the replica a router sent it to (its response header)
 
 
@@ -283,7 +284,7 @@ def _apply_usage(result: RequestResult, usage: dict[str, Any]) -> None:
     details = usage.get("prompt_tokens_details") or {}
     if details.get("cached_tokens") is not None:
         result.cached_tokens = int(details["cached_tokens"])
-    for tier in ("device", "host"):
+    for tier in ("device", "host", "storage"):
         value = details.get(f"cached_tokens_{tier}")
         if value is not None:
             setattr(result, f"cached_tokens_{tier}", int(value))

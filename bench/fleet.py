@@ -296,11 +296,20 @@ class LocalFleet:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> LocalFleet:
+        self.start_replicas()
+        try:
+            self._await_router(self.router, self.policy)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_replicas(self) -> LocalFleet:
+        """Start the replicas only, without a router (clients call each one directly)."""
         try:
             for worker in self.workers:
                 self._spawn_replica(worker, free_port())
             self._await_replicas(self.workers, same_port=False)
-            self._await_router(self.router, self.policy)
         except BaseException:
             self.stop()
             raise

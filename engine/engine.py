@@ -232,8 +232,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             if not outputs:
-                # Nothing runnable: block briefly on compiles in flight rather than spin.
+                # Nothing runnable: block briefly on compiles and L3 reads rather than spin.
                 self.grammars.wait(timeout=0.01)
+                self.kv.manager.wait_prefetches(timeout=0.01)
             return outputs
         started = time.perf_counter()
         result = self.runner.run(batch)

@@ -142,6 +142,7 @@ class Scheduler:
             self.kv.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.kv.drop_prefetch(req)
 
     @property
     def has_work(self) -> bool:
@@ -290,6 +291,10 @@ class Scheduler:
             match = self.kv.match(req)
             if in_flight and self._should_wait(req, match.device_len, in_flight):
                 continue  # reuse that prefill once it lands; others are not held back
+            ready = self.kv.prefetch_ready(req, match)
+            if ready is None:
+                continue  # its L3 prefetch is in flight; others are not held back
+            match = ready
             pending = req.seq_len - match.device_len
             n = min(pending, chunk_cap, budget)
             # KV for this chunk, plus a reserve for the rest of the prompt and its output.

@@ -149,6 +149,11 @@ class EngineCollector(Collector):
         for name, doc, key in (
             ("num_running_requests", "Requests in the running batch.", "running"),
             ("num_waiting_requests", "Requests waiting for admission.", "waiting"),
+            (
+                "hicache_storage_writes_pending",
+                "L3 writes queued or in progress (0: every page handed over is stored).",
+                "storage_writes_pending",
+            ),
         ):
             gauge = GaugeMetricFamily(PREFIX + name, doc)
             gauge.add_metric([], get(key))

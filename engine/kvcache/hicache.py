@@ -13,6 +13,7 @@ from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
 from engine.kvcache.radix_cache import MatchResult, RadixCache, TreeNode
+from engine.kvcache.storage.prefetch import Prefetch
 from engine.kvcache.storage.tier import StorageTier
 from engine.kvcache.transfer import KVTransfer
 
@@ -176,12 +177,13 @@ class HiRadixCache(RadixCache):
         self._free_host(node)
 
     def _free_host(self, node: TreeNode) -> None:
-        if node.host_value is not None and self.storage is not None:
-            self.storage.before_host_free(node)
-        if node.host_value is not None:
+        if node.host_value is None:
+            return
+        # The L3 tier keeps slots a write still reads (write_back queues the write now).
+        if self.storage is None or not self.storage.release(node):
             self.host_pool.free(node.host_value)
-            self.host_cached_tokens -= len(node.key)
-            node.host_value = None
+        self.host_cached_tokens -= len(node.key)
+        node.host_value = None
 
     def evict_host(self, num_tokens: int) -> int:
         """Free host slots of host-only leaves, LRU first."""
@@ -224,6 +226,8 @@ class HiRadixCache(RadixCache):
             self.storage.drain()
         super().evict(self.cached_tokens)
         self.evict_host(self.host_cached_tokens)
+        if self.storage is not None:
+            self.storage.drain()  # write_back: what was just evicted lands, its slots free
         return self.cached_tokens == 0 and self.host_cached_tokens == 0
 
     # ------------------------------------------------------------------ load back
@@ -269,34 +273,61 @@ class HiRadixCache(RadixCache):
             torch.cat([match.device_slots, device_slots]), match.host_node, 0, match.host_node
         )
 
-    def prefetch_from_storage(self, match: MatchResult, key: list[int]) -> int:
-        """Read the L3 pages that continue ``match`` into host-only nodes; return how
-        many tokens arrived (0 without a store, on a miss, or when it is not worth it)."""
+    # ------------------------------------------------------------------ L3 prefetch
+    def start_prefetch(self, match: MatchResult, key: list[int]) -> Prefetch | None:
+        """Start reading the L3 pages that continue ``match`` along ``key`` (never blocks);
+        None without a store or when nothing is worth looking up."""
         if self.storage is None:
-            return 0
+            return None
         start = match.device_len + match.host_len
-        self.lock(match.host_node)  # making host room must not evict the path we extend
-        try:
-            found = self.storage.prefetch(match.host_node, key[start:], self._alloc_host)
-        finally:
-            self.unlock(match.host_node)
+        return self.storage.start_prefetch(match.host_node, start, key[start:])
+
+    def prefetch_done(self, prefetch: Prefetch) -> bool:
+        """Whether ``prefetch`` is decided (then ``finish_prefetch``); never blocks."""
+        assert self.storage is not None
+        return self.storage.advance(prefetch, self._alloc_host)
+
+    def finish_prefetch(self, prefetch: Prefetch, key: list[int]) -> int:
+        """Hang the pages ``prefetch`` read below the cached prefix of ``key`` as a
+        host-only node; return how many tokens joined the tree."""
+        assert self.storage is not None
+        found = self.storage.finish(prefetch)
         if found is None:
             return 0
         tokens, host_slots = found
-        # NOTE: match stopped at host_node because no child starts with the next page, so
-        # the new node is a new child; it hangs below a device or host node as it must.
-        node = TreeNode(tokens, None, match.host_node)
-        node.host_value = host_slots
+        # NOTE: the tree changed while the read ran: take the match again. The new node
+        # continues it only if the prefix it was read for is still cached (else drop it);
+        # tokens cached meanwhile (another request computed them) are not added twice.
+        end = prefetch.start + len(tokens)
+        match = self.match_prefix(key[:end], touch=False)
+        have = match.device_len + match.host_len
+        if have < prefetch.start or have >= end:
+            self.host_pool.free(host_slots)
+            return 0
+        skip = have - prefetch.start
+        if skip:
+            self.host_pool.free(host_slots[:skip])
+        # match stopped at host_node because no child starts with the next page, so the
+        # new node is a new child; it hangs below a device or host node as it must.
+        node = TreeNode(tokens[skip:], None, match.host_node)
+        node.host_value = host_slots[skip:]
         node.in_storage = True
-        match.host_node.children[self._page_key(tokens)] = node
-        self.host_cached_tokens += len(tokens)
-        return len(tokens)
+        match.host_node.children[self._page_key(node.key)] = node
+        self.host_cached_tokens += len(node.key)
+        return len(node.key)
+
+    def cancel_prefetch(self, prefetch: Prefetch) -> None:
+        """Give up ``prefetch`` (its request left); its host slots come back."""
+        assert self.storage is not None
+        self.storage.cancel(prefetch)
 
     def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """Host slots for ``num_tokens``, evicting host-only leaves if short; None if full."""
         slots = self.host_pool.alloc(num_tokens)
         if slots is None:
             self.evict_host(num_tokens)
+            if self.storage is not None:
+                self.storage.poll()  # writes that landed meanwhile give their slots back
             slots = self.host_pool.alloc(num_tokens)
         return slots
 
@@ -327,11 +358,13 @@ class HiRadixCache(RadixCache):
     def check_host_invariants(self) -> None:
         held = sum(len(n.key) for n in self.nodes() if n.host_value is not None)
         assert held == self.host_cached_tokens, (held, self.host_cached_tokens)
-        # Slots a timed-out L3 read still writes into belong to nobody until it ends.
-        reading = self.storage.orphaned_tokens if self.storage is not None else 0
-        total = self.host_pool.available + self.host_cached_tokens + reading
+        # Slots L3 prefetches read into, and slots that left the tree while an L3 write
+        # reads them, belong to no node until the read is taken or the write lands.
+        reading = self.storage.reading_tokens if self.storage is not None else 0
+        writing = self.storage.releasing_tokens if self.storage is not None else 0
+        total = self.host_pool.available + self.host_cached_tokens + reading + writing
         assert total == self.host_pool.capacity, (
             f"host accounting broken: free {self.host_pool.available} + cached "
-            f"{self.host_cached_tokens} + L3 reads {reading} != capacity "
-            f"{self.host_pool.capacity}"
+            f"{self.host_cached_tokens} + L3 reads {reading} + L3 writes {writing} != "
+            f"capacity {self.host_pool.capacity}"
         )

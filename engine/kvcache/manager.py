@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
 import torch
 
 from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
@@ -23,6 +27,8 @@ class KVCacheManager:
         self.req_table = req_table
         self.tree = tree
         self.page_size = allocator.page_size
+        self._prefetches: dict[str, Any] = {}  # request id -> its L3 prefetch in flight
+        self._from_storage: dict[str, int] = {}  # request id -> tokens its prefetch added
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -55,9 +61,7 @@ class KVCacheManager:
         # Lock before any load-back: its allocation may evict, never our own prefix.
         self.tree.lock(match.device_node)
         device_hit = match.device_len
-        from_storage = self._prefetch(req, match)
-        if from_storage:
-            match = self.tree.match_prefix(self._match_key(req), touch=False)
+        from_storage = self._from_storage.pop(req.request_id, 0)
         if match.host_len > 0:
             loaded = self.tree.load_back(match)
             if loaded.device_node is not match.device_node:
@@ -75,10 +79,44 @@ class KVCacheManager:
             req.cached_host = loaded_len - req.cached_storage
             req.reported_cache = True
 
-    def _prefetch(self, req: Req, match: MatchResult) -> int:
-        """Tokens of ``req``'s prompt read from the L3 store into the host tier, if any."""
-        prefetch = getattr(self.tree, "prefetch_from_storage", None)
-        return 0 if prefetch is None else int(prefetch(match, self._match_key(req)))
+    # ------------------------------------------------------------------ L3 prefetch
+    def prefetch_ready(self, req: Req, match: MatchResult) -> MatchResult | None:
+        """Whether ``req`` may be admitted as far as the L3 store goes: None while its
+        prefetch is in flight (it waits in the queue; nothing blocks), else the match to
+        admit it with (taken again when stored pages joined the tree).
+
+        NOTE: the first call starts the prefetch; a request prefetches once per stay in
+        the queue: the tokens it added are kept for ``admit`` to report.
+        """
+        if req.request_id in self._from_storage:
+            return match
+        key = self._match_key(req)
+        prefetch = self._prefetches.get(req.request_id)
+        if prefetch is None:
+            prefetch = self.tree.start_prefetch(match, key)
+            if prefetch is None:
+                return match
+            self._prefetches[req.request_id] = prefetch
+        if not self.tree.prefetch_done(prefetch):
+            return None
+        del self._prefetches[req.request_id]
+        added = self.tree.finish_prefetch(prefetch, key)
+        self._from_storage[req.request_id] = added
+        return self.tree.match_prefix(key, touch=False) if added else match
+
+    def drop_prefetch(self, req: Req) -> None:
+        """``req`` left the queue for good: give up its prefetch, if any."""
+        self._from_storage.pop(req.request_id, None)
+        prefetch = self._prefetches.pop(req.request_id, None)
+        if prefetch is not None:
+            self.tree.cancel_prefetch(prefetch)
+
+    def wait_prefetches(self, timeout: float) -> None:
+        """Block up to ``timeout`` s for a store call of a prefetch in flight (the engine
+        calls this when nothing else is runnable, rather than spin)."""
+        futures = [f for p in self._prefetches.values() for f in p.futures]
+        if futures:
+            wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     @staticmethod
     def _match_key(req: Req) -> list[int]:
@@ -195,6 +233,9 @@ class KVCacheManager:
                         f"lock leak: node {node.id} has lock_ref {node.lock_ref}, "
                         f"running requests account for {expected.get(node.id, 0)}"
                     )
+        check_host = getattr(self.tree, "check_host_invariants", None)
+        if check_host is not None:
+            check_host()
         if total != self.capacity:
             raise AssertionError(
                 f"KV accounting broken: free {self.allocator.free_tokens} + owned {owned} + "

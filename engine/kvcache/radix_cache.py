@@ -229,6 +229,21 @@ class RadixCache:
         waits for each of them layer by layer before reading KV."""
         return []
 
+    # L3 prefetch (HiCache with a store overrides these; a plain tree has nothing to read)
+    def start_prefetch(self, match: MatchResult, key: list[int]) -> Any:
+        """Start reading stored pages that continue ``match``; None: nothing to read."""
+        return None
+
+    def prefetch_done(self, prefetch: Any) -> bool:
+        return True
+
+    def finish_prefetch(self, prefetch: Any, key: list[int]) -> int:
+        """Tokens a decided prefetch added to the tree."""
+        return 0
+
+    def cancel_prefetch(self, prefetch: Any) -> None:
+        """Give up a prefetch whose request left."""
+
     def _on_insert_node(self, node: TreeNode) -> None:
         """Hook for the host tier (write-through backup)."""
 

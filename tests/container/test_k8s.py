@@ -7,12 +7,14 @@ own command-line parser."""
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes.client as k8s
 import pytest
@@ -249,3 +251,99 @@ def test_kubernetes_and_compose_routers_are_tuned_alike(
         "load_monitor_interval",
     ):
         assert getattr(ours, name) == getattr(theirs, name), name
+
+
+# --- L3: the components that wire the storage tier into an overlay -----------------------
+def render_with(overlay: str, component: str, tmp_path: Path) -> dict[tuple[str, str], Any]:
+    """An overlay plus one component, as a user's kustomization would combine them."""
+    root = tmp_path / f"{overlay}-{component}"
+    root.mkdir()
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "overlays" / overlay, root)],
+        "components": [os.path.relpath(K8S / "components" / component, root)],
+    }
+    (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    docs = by_kind(render(root))
+    for doc in docs.values():
+        load(doc)
+    return docs
+
+
+def server_config(docs: dict[tuple[str, str], Any]) -> Any:
+    """The engine configuration a replica builds from its environment (server/args.py)."""
+    from server.args import parse_args
+
+    env = env_of(container(docs[("Deployment", "hiserve")], "hiserve"))
+    return parse_args([], {k: v for k, v in env.items() if isinstance(v, str)}).engine
+
+
+def port_of(service: dict[str, Any], pod: dict[str, Any], port: int) -> int:
+    """The container port behind ``port`` of ``service`` (a named targetPort resolved)."""
+    target = next(p for p in service["spec"]["ports"] if p["port"] == port)["targetPort"]
+    if isinstance(target, int):
+        return target
+    ports = [p for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+    return int(next(p for p in ports if p["name"] == target)["containerPort"])
+
+
+def test_l3_is_off_without_a_component(rendered: tuple[str, dict[tuple[str, str], Any]]) -> None:
+    _, docs = rendered
+    assert server_config(docs).hicache_storage_backend in (None, "none")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_l3_file_component_mounts_one_volume_in_every_replica(overlay: str, tmp_path: Path) -> None:
+    docs = render_with(overlay, "l3-file", tmp_path)
+    config = server_config(docs)
+    assert config.hicache_storage_backend == "file" and config.enable_hierarchical_cache
+    deployment = docs[("Deployment", "hiserve")]
+    server = container(deployment, "hiserve")
+    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    volume = volumes[mounts[config.hicache_storage_dir]]
+    claim = docs[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])]
+    # One claim for all replicas of the Deployment: it must mount on several nodes.
+    assert deployment["spec"]["replicas"] > 1
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    size = claim["spec"]["resources"]["requests"]["storage"]
+    assert size.endswith("Gi") and config.hicache_storage_size * 1e9 < int(size[:-2]) * 2**30
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_l3_mooncake_component_points_replicas_at_its_store(overlay: str, tmp_path: Path) -> None:
+    from tests.container.test_compose import _gflags
+
+    docs = render_with(overlay, "l3-mooncake", tmp_path)
+    config = server_config(docs)
+    assert config.hicache_storage_backend == "mooncake" and config.enable_hierarchical_cache
+    master_deployment = docs[("Deployment", "hiserve-mooncake-master")]
+    master_pod = master_deployment["spec"]["template"]
+    holder_deployment = docs[("Deployment", "hiserve-mooncake-holder")]
+    master, holder = container(master_deployment, "master"), container(holder_deployment, "holder")
+    # The replicas' addresses are a Service in front of the master, on the ports it opens.
+    host, _, port = config.hicache_mooncake_master.rpartition(":")
+    service = docs[("Service", host)]
+    assert service["spec"]["selector"].items() <= master_pod["metadata"]["labels"].items()
+    assert f"--rpc_port={port_of(service, master_pod, int(port))}" in master["command"]
+    metadata = urlsplit(config.hicache_mooncake_metadata_server)
+    assert metadata.hostname == host and metadata.path == "/metadata"
+    http_port = port_of(service, master_pod, metadata.port or 80)
+    assert f"--http_metadata_server_port={http_port}" in master["command"]
+    # The holder registers with the same master and metadata server as the replicas.
+    assert f"--master_server_address={config.hicache_mooncake_master}" in holder["command"]
+    assert f"--metadata_server={config.hicache_mooncake_metadata_server}" in holder["command"]
+    for pod in (master, holder):
+        binary, *args = pod["command"]
+        known = _gflags(binary)
+        assert known, f"{binary} --help listed no flags"
+        for arg in args:
+            assert arg.lstrip("-").split("=", 1)[0] in known, f"{binary} has no flag {arg}"
+        assert pod["image"] == "hiserve:cpu"  # the CPU image carries Mooncake, any overlay
+    # The holder's segment lives in its memory: its request covers it.
+    segment = next(a for a in holder["command"] if a.startswith("--global_segment_size="))
+    segment_gb = int(segment.split("=")[1].removesuffix("GB"))
+    assert int(holder["resources"]["requests"]["memory"].removesuffix("Gi")) * 2**30 > (
+        segment_gb * 2**30
+    )

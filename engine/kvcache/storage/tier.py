@@ -2,19 +2,22 @@
 
 Writes: once a tree node's KV is on the host tier, its full pages are queued for the
 store; a writer thread sends them, and until the engine thread sees the write
-acknowledged those host pages count as busy: host eviction passes them by, and freeing
-one waits for the writer. Under ``write_back`` the write happens when the host copy is
-evicted instead.
+acknowledged those host pages count as busy: host eviction passes them by. Under
+``write_back`` the write is queued when the host copy is evicted instead. A page that
+leaves the tree while a write reads it is freed once that write lands
+(``releasing_tokens``): the engine thread never waits for the store.
 
-Reads: at admission, the full pages of a prompt after its device and host match are
-looked up in the store and read into fresh host pages, which join the tree as
-host-only nodes; HiCache then loads them to the device like any host hit. A lookup or
-read slower than the prefetch timeout, a store that is down, a corrupt page: each is a
-miss and the request recomputes. Nothing the store does changes an output.
+Reads: when a request is a candidate for admission, the full pages of its prompt after
+its device and host match are looked up in the store and read into fresh host pages
+(``Prefetch``) on a reader thread. The request waits in the queue meanwhile, and the
+engine thread only polls (``advance``), so other requests keep running. Once the read
+is done, or its policy's deadline passed, the pages that landed join the tree as
+host-only nodes; HiCache then loads them to the device like any host hit. A lookup
+slower than the deadline, a store that is down, a corrupt page: each is a miss and the
+request recomputes. Nothing the store does changes an output.
 
-NOTE: the read runs on a worker thread, but the engine thread waits for it (bounded by
-the timeout) before admitting the request; pages a timed-out read still writes into
-stay allocated until that read ends.
+NOTE: pages a read given up on may still write into stay allocated (orphaned) until
+that read ends.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -34,6 +36,7 @@ from engine.kvcache.host_pool import HostKVPool
 from engine.kvcache.radix_cache import TreeNode
 from engine.kvcache.storage.base import KVStore
 from engine.kvcache.storage.keys import page_keys
+from engine.kvcache.storage.prefetch import Prefetch
 
 logger = logging.getLogger("hiserve.hicache")
 
@@ -87,7 +90,9 @@ class StorageTier:
         self._writes: queue.Queue[tuple[TreeNode, list[str], list[int]] | None] = queue.Queue()
         self._acks: queue.SimpleQueue[tuple[TreeNode, list[int], int]] = queue.SimpleQueue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hiserve-l3-read")
-        self._orphans: list[tuple[Future, torch.Tensor]] = []  # timed-out reads, their slots
+        self._reading: list[Prefetch] = []  # prefetches whose read holds host slots
+        self._orphans: list[tuple[Future, torch.Tensor]] = []  # given-up reads, their slots
+        self._releasing: list[torch.Tensor] = []  # host slots freed once no write reads them
         self._down_until = 0.0  # monotonic time before which the store is not asked
         self._backoff_s = BACKOFF_S
         self._writer = threading.Thread(target=self._write_loop, name="hiserve-l3-write")
@@ -123,19 +128,26 @@ class StorageTier:
         """Whether a write in flight still reads any of these host slots."""
         return bool(self._busy) and any(self._busy[p] for p in self._host_pages(host_slots))
 
-    def before_host_free(self, node: TreeNode) -> None:
-        """``node``'s host pages are about to be freed (and reused)."""
+    def release(self, node: TreeNode) -> bool:
+        """``node`` leaves the host tier; under ``write_back`` its pages not yet stored are
+        queued for the writer now. True: the tier took its host slots and frees them once
+        every write reading them is acknowledged (``releasing_tokens`` meanwhile); False:
+        nothing reads them, the caller frees them at once.
+
+        NOTE: never waits for the store: the engine thread goes on while the page is
+        written, and the page stays readable until then."""
         assert node.host_value is not None
-        if self.busy(node.host_value):
-            self.drain()  # the writer still reads these pages: let it finish first
-        if self.write_policy == "write_back" and not node.in_storage:
-            pages = self._host_pages(node.host_value)
-            try:
-                done = self.store.put_from(self.node_keys(node), pages)
-            except Exception:
-                logger.exception("L3 write failed")
-                done = [False] * len(pages)
-            self._count_write(node, len(pages), sum(done))
+        if self.write_policy == "write_back" and not self.down:
+            self._enqueue(node)
+        if not self.busy(node.host_value):
+            return False
+        self._releasing.append(node.host_value)
+        return True
+
+    @property
+    def releasing_tokens(self) -> int:
+        """Host slots of pages that left the tree and wait for their write to land."""
+        return sum(int(slots.numel()) for slots in self._releasing)
 
     def _enqueue(self, node: TreeNode) -> None:
         if node.in_storage or node.host_value is None:
@@ -166,7 +178,8 @@ class StorageTier:
                 self._writes.task_done()
 
     def poll(self) -> None:
-        """Engine thread: release pages whose write was acknowledged; free orphaned reads."""
+        """Engine thread: release pages whose write was acknowledged (freeing those that
+        left the tree) and the slots of orphaned reads that ended."""
         while True:
             try:
                 node, pages, pages_done = self._acks.get_nowait()
@@ -175,6 +188,13 @@ class StorageTier:
             self._busy.subtract(pages)
             self._busy = +self._busy  # drop zero counts
             self._count_write(node, len(pages), pages_done)
+        writing = []
+        for slots in self._releasing:
+            if self.busy(slots):
+                writing.append(slots)
+            else:
+                self.host_pool.free(slots)
+        self._releasing = writing
         still = []
         for future, slots in self._orphans:
             if future.done():
@@ -194,66 +214,102 @@ class StorageTier:
         self.poll()
 
     # ------------------------------------------------------------------ reads
-    def prefetch(
-        self,
-        parent: TreeNode,
-        tokens: Sequence[int],
-        alloc_host: Callable[[int], torch.Tensor | None],
-    ) -> tuple[list[int], torch.Tensor] | None:
-        """Read the stored pages that continue ``parent`` with ``tokens``.
+    def start_prefetch(
+        self, parent: TreeNode, start: int, tokens: Sequence[int]
+    ) -> Prefetch | None:
+        """Look up the stored pages that continue ``parent`` (``start`` tokens deep) with
+        ``tokens``; None when the run is too short to be worth it or the store is down.
 
-        Returns (tokens found, their host slots), the slots owned by the caller; None
-        when nothing worth loading is there (the caller recomputes).
-        """
+        Never blocks: the lookup runs on the reader thread; ``advance`` moves it on."""
         num_pages = len(tokens) // self.page_size
         if num_pages * self.page_size < self.prefetch_threshold or self.down:
             return None
-        tokens = list(tokens[: num_pages * self.page_size])
-        keys = page_keys(self.namespace, tokens, self.page_size, self.last_key(parent))
-        timeout = self._timeout(len(tokens))
-        lookup = self._reader.submit(self.store.exists_prefix, keys)
+        run = list(tokens[: num_pages * self.page_size])
+        keys = page_keys(self.namespace, run, self.page_size, self.last_key(parent))
+        timeout = self._timeout(len(run))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        prefetch = Prefetch(start, run, keys, deadline)
+        prefetch.lookup = self._reader.submit(self.store.exists_prefix, keys)
+        return prefetch
+
+    def advance(self, prefetch: Prefetch, alloc_host: Callable[[int], torch.Tensor | None]) -> bool:
+        """Engine thread: move ``prefetch`` on without waiting; True once it is decided
+        (read whole, found nothing, failed or past its deadline): call ``finish`` next."""
+        if prefetch.read is not None:
+            return prefetch.read.done() or prefetch.overdue
+        assert prefetch.lookup is not None
+        if not prefetch.lookup.done():
+            if prefetch.overdue:
+                prefetch.miss_reason = "lookup timed out"
+                self._judge(False)
+            return prefetch.overdue
         try:
-            hits = lookup.result(timeout=timeout)
-        except FutureTimeout:
-            self._judge(False)
-            self._miss("lookup timed out")
-            return None
+            hits = prefetch.lookup.result()
         except Exception as exc:
             self._judge(False)
-            self._miss(f"lookup failed: {exc}")
-            return None
+            prefetch.miss_reason = f"lookup failed: {exc}"
+            return True
         if hits * self.page_size < self.prefetch_threshold:
-            self._miss(None)
-            return None
+            return True  # a plain miss
         slots = alloc_host(hits * self.page_size)
         if slots is None:
-            self._miss("no room on the host tier")
+            prefetch.miss_reason = "no room on the host tier"
+            return True
+        prefetch.slots = slots
+        self._reading.append(prefetch)
+        prefetch.read = self._reader.submit(
+            prefetch.read_pages, self.store, self._host_pages(slots)
+        )
+        return False
+
+    def finish(self, prefetch: Prefetch) -> tuple[list[int], torch.Tensor] | None:
+        """End a decided ``prefetch``: (tokens that landed, their host slots, now owned by
+        the caller), or None on a miss. Slots a read still in flight may write into stay
+        held (``orphaned_tokens``) until it ends."""
+        keep = 0
+        if prefetch.slots is not None:
+            self._reading.remove(prefetch)
+            read = prefetch.read
+            assert read is not None
+            if read.done() and read.exception() is not None:
+                self._judge(False)
+                prefetch.miss_reason = f"read failed: {read.exception()}"
+            elif not read.done():  # past its deadline: take what has landed
+                prefetch.cancelled = True
+                if prefetch.landed == 0:
+                    self._judge(False)
+                    prefetch.miss_reason = "read timed out"
+            else:
+                self._judge(prefetch.landed > 0)
+            keep = prefetch.landed * self.page_size
+            if keep < self.prefetch_threshold:
+                keep = 0
+            self._release_unread(prefetch, keep)
+        if keep == 0:
+            self._miss(prefetch.miss_reason)
             return None
-        read = self._reader.submit(self.store.get_into, keys[:hits], self._host_pages(slots))
-        try:
-            arrived = read.result(timeout=timeout)
-        except FutureTimeout:
-            self._orphans.append((read, slots))  # it still writes into them
-            self._judge(False)
-            self._miss("read timed out")
-            return None
-        except Exception as exc:
-            self.host_pool.free(slots)
-            self._judge(False)
-            self._miss(f"read failed: {exc}")
-            return None
-        self._judge(any(arrived))
-        run = arrived.index(False) if False in arrived else len(arrived)
-        keep = run * self.page_size
-        if keep < slots.numel():
-            self.host_pool.free(slots[keep:])
-        if keep < self.prefetch_threshold:
-            if keep:
-                self.host_pool.free(slots[:keep])
-            self._miss(None)
-            return None
+        assert prefetch.slots is not None
         self.counters["storage_prefetch_tokens_total"] += keep
-        return tokens[:keep], slots[:keep]
+        return prefetch.tokens[:keep], prefetch.slots[:keep]
+
+    def cancel(self, prefetch: Prefetch) -> None:
+        """Drop ``prefetch`` (its request was aborted): its slots go back to the host tier
+        (once a read in flight ends)."""
+        prefetch.cancelled = True
+        if prefetch.slots is not None:
+            self._reading.remove(prefetch)
+            self._release_unread(prefetch, 0)
+
+    def _release_unread(self, prefetch: Prefetch, keep: int) -> None:
+        """Free the slots of ``prefetch`` past ``keep``, or orphan them while it reads."""
+        assert prefetch.slots is not None and prefetch.read is not None
+        rest = prefetch.slots[keep:]
+        if rest.numel() == 0:
+            return
+        if prefetch.read.done():
+            self.host_pool.free(rest)
+        else:
+            self._orphans.append((prefetch.read, rest))
 
     @property
     def down(self) -> bool:
@@ -276,8 +332,14 @@ class StorageTier:
 
     @property
     def orphaned_tokens(self) -> int:
-        """Host slots held by reads that timed out and have not ended yet."""
+        """Host slots held by reads that were given up on and have not ended yet."""
         return sum(int(slots.numel()) for _, slots in self._orphans)
+
+    @property
+    def reading_tokens(self) -> int:
+        """Host slots of prefetches in flight plus orphaned reads: owned by no tree node."""
+        held = sum(int(p.slots.numel()) for p in self._reading if p.slots is not None)
+        return held + self.orphaned_tokens
 
     def _timeout(self, num_tokens: int) -> float | None:
         if self.prefetch_policy == "wait_complete":
@@ -297,11 +359,15 @@ class StorageTier:
         self.drain()
         self._writes.put(None)
         self._writer.join(timeout=30)
-        self._reader.shutdown(wait=True)
+        for prefetch in self._reading:
+            prefetch.cancelled = True  # a read stops after its current chunk
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self.poll()
         self.store.close()
 
     def stats(self) -> dict[str, float]:
         stats: dict[str, float] = dict(self.counters)
         stats["storage_write_queue_pages"] = sum(self._busy.values())
+        # Writes the writer has not finished (the engine thread may not have seen the acks).
+        stats["storage_writes_pending"] = self._writes.unfinished_tasks
         return stats
