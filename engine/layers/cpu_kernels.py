@@ -19,13 +19,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 # A build lock older than this was left by an interrupted build (torch would wait on it
 # forever); a real build takes well under a minute.
 STALE_LOCK_SECONDS = 600.0
-_lock = threading.Lock()
-_module: Any | None = None
-_error: str | None = None
 
 
 def _cflags() -> list[str]:
@@ -57,40 +53,66 @@ def clear_stale_build_lock(name: str) -> bool:
     return True
 
 
+class NativeExtension:
+    """One C++ source in csrc/, built on first use (once per process; the build itself is
+    cached across processes), or the reason it could not be."""
+
+    def __init__(
+        self, source: str, prefix: str, what: str, fallback: str, log: logging.Logger
+    ) -> None:
+        self.source = Path(__file__).parent / "csrc" / source
+        self.prefix = prefix  # extension name before the digest
+        self.what = what  # for the log lines: "native CPU attention kernel"
+        self.fallback = fallback  # what runs instead, said when the build fails
+        self.log = log
+        self.module: Any | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> Any | None:
+        """The compiled module, or None when it cannot be built here."""
+        with self._lock:
+            if self.module is not None or self.error is not None:
+                return self.module
+            flags = _cflags()
+            # The name carries the source and flags: a changed kernel is never served stale.
+            digest = hashlib.sha256(self.source.read_bytes() + " ".join(flags).encode())
+            name = f"{self.prefix}_{digest.hexdigest()[:12]}"
+            try:
+                from torch.utils import cpp_extension
+
+                self.log.info("loading the %s (built once on first use)", self.what)
+                clear_stale_build_lock(name)
+                self.module = cpp_extension.load(
+                    name=name,
+                    sources=[str(self.source)],
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
+            except Exception as exc:  # no compiler, no ninja, a failed build: keep PyTorch
+                lines = str(exc).strip().splitlines()
+                self.error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+                self.log.warning("%s unavailable (%s); %s", self.what, self.error, self.fallback)
+            return self.module
+
+
+_PAGED_DECODE = NativeExtension(
+    "paged_decode_cpu.cpp",
+    "hiserve_paged_decode",
+    "native CPU attention kernel",
+    "decode attention runs in PyTorch. It needs a C++ compiler and ninja "
+    "(pip install 'hiserve[cpu]').",
+    logger,
+)
+
+
 def paged_decode_kernel() -> Any | None:
     """The compiled module (``paged_decode(q, k_cache, v_cache, table, rows, lens, scale)``),
     or None when it cannot be built here."""
-    global _module, _error
-    with _lock:
-        if _module is not None or _error is not None:
-            return _module
-        flags = _cflags()
-        # The name carries the source and flags: a changed kernel is never served stale.
-        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
-        name = f"hiserve_paged_decode_{digest[:12]}"
-        try:
-            from torch.utils import cpp_extension
-
-            logger.info("loading the native CPU attention kernel (built once on first use)")
-            clear_stale_build_lock(name)
-            _module = cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler, no ninja, a failed build: keep PyTorch
-            lines = str(exc).strip().splitlines()
-            _error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
-            logger.warning(
-                "native CPU attention kernel unavailable (%s); decode attention runs in "
-                "PyTorch. It needs a C++ compiler and ninja (pip install 'hiserve[cpu]').",
-                _error,
-            )
-        return _module
+    return _PAGED_DECODE.load()
 
 
 def build_error() -> str | None:
     """Why the kernel could not be built (None if it was, or was never tried)."""
-    return _error
+    return _PAGED_DECODE.error

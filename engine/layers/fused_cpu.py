@@ -11,65 +11,38 @@ model keeps PyTorch, and the reason is logged once and kept in ``build_error()``
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.layers.cpu_kernels import _cflags, clear_stale_build_lock
+from engine.layers.cpu_kernels import NativeExtension
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 # Set to 0 to keep the PyTorch ops on the CPU too (for comparisons).
 ENV_SWITCH = "HISERVE_CPU_FUSED"
-_lock = threading.Lock()
-_module: Any | None = None
-_error: str | None = None
+_FUSED = NativeExtension(
+    "fused_cpu.cpp",
+    "hiserve_fused_cpu",
+    "fused CPU kernels",
+    "RMSNorm and RoPE run as PyTorch ops. They need a C++ compiler and ninja "
+    "(pip install 'hiserve[cpu]').",
+    logger,
+)
 
 
 def fused_kernels() -> Any | None:
     """The compiled module (``add_rms_norm``, ``rotary``), or None when it
     cannot be built here."""
-    global _module, _error
-    with _lock:
-        if _module is not None or _error is not None:
-            return _module
-        flags = _cflags()
-        # The name carries the source and flags: a changed kernel is never served stale.
-        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
-        name = f"hiserve_fused_cpu_{digest[:12]}"
-        try:
-            from torch.utils import cpp_extension
-
-            logger.info("loading the fused CPU kernels (built once on first use)")
-            clear_stale_build_lock(name)
-            _module = cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler, no ninja, a failed build: keep PyTorch
-            lines = str(exc).strip().splitlines()
-            _error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
-            logger.warning(
-                "fused CPU kernels unavailable (%s); RMSNorm and RoPE run as PyTorch ops."
-                " They need a C++ compiler and ninja (pip install 'hiserve[cpu]').",
-                _error,
-            )
-        return _module
+    return _FUSED.load()
 
 
 def build_error() -> str | None:
     """Why the kernels could not be built (None if they were, or were never tried)."""
-    return _error
+    return _FUSED.error
 
 
 def use_fused_cpu_kernels(model: nn.Module) -> int:

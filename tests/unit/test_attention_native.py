@@ -103,8 +103,8 @@ def test_selection(kernel) -> None:
 
 
 def test_failed_build_falls_back_or_names_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "_module", None)
-    monkeypatch.setattr(cpu_kernels, "_error", "RuntimeError: Ninja is required")
+    monkeypatch.setattr(cpu_kernels._PAGED_DECODE, "module", None)
+    monkeypatch.setattr(cpu_kernels._PAGED_DECODE, "error", "RuntimeError: Ninja is required")
     cpu = torch.device("cpu")
     assert get_attention_backend("auto", cpu, torch.float32).name == "torch"
     with pytest.raises(RuntimeError, match="could not be built: RuntimeError: Ninja"):
@@ -117,8 +117,8 @@ def test_build_failure_is_caught_and_remembered(monkeypatch: pytest.MonkeyPatch)
     def broken_load(**kwargs: object) -> None:
         raise RuntimeError("error: command 'c++' failed\nno compiler found")
 
-    monkeypatch.setattr(cpu_kernels, "_module", None)
-    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(cpu_kernels._PAGED_DECODE, "module", None)
+    monkeypatch.setattr(cpu_kernels._PAGED_DECODE, "error", None)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
     assert cpu_kernels.paged_decode_kernel() is None
     assert cpu_kernels.build_error() == "RuntimeError: no compiler found"

@@ -138,8 +138,8 @@ def test_failed_build_falls_back_to_pytorch_and_says_why(
     def broken_build(**kwargs: object) -> None:
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 
-    monkeypatch.setattr(fused_cpu, "_module", None)
-    monkeypatch.setattr(fused_cpu, "_error", None)
+    monkeypatch.setattr(fused_cpu._FUSED, "module", None)
+    monkeypatch.setattr(fused_cpu._FUSED, "error", None)
     monkeypatch.setattr(cpp_extension, "load", broken_build)
     with caplog.at_level(logging.WARNING, logger=fused_cpu.__name__):
         model = load_model(tmp_path, torch.device("cpu"), torch.float32)
