@@ -99,6 +99,11 @@ class EngineConfig(SchedulerConfig):
 
     # Seconds a structured-output request waits for its grammar to compile before it fails.
     grammar_compile_timeout: float = 30.0
+    # Device graphs (CUDA / MUSA) replay pure decode steps (engine/graph_runner.py); they
+    # are never used on the CPU, which has none. SGLang's flag names.
+    disable_cuda_graph: bool = False
+    # Largest decode batch replayed from a graph; None: max_running_requests.
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -163,6 +168,11 @@ class EngineConfig(SchedulerConfig):
         if self.grammar_compile_timeout <= 0:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0 s, got {self.grammar_compile_timeout}"
+            )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(
+                f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}; "
+                "use --disable-cuda-graph to turn device graphs off"
             )
         if self.hicache_size is not None and self.hicache_size <= 0:
             raise ValueError(f"hicache_size must be > 0 GB, got {self.hicache_size}")

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import EngineGrammars, GrammarBackend
 from engine.grammar_spec import check_spec
+from engine.graph_runner import build_decode_graphs
 from engine.kv_setup import KVSetup, build_kv
 from engine.model_runner import ModelRunner
 from engine.outputs import check_stop, make_output, stop_checker_of
@@ -113,6 +114,9 @@ class Engine:
             self.sampler,
             self.device,
             self.eos_token_ids,
+        )
+        self.runner.graphs = build_decode_graphs(
+            config, self.model, self.kv, self.device_spec, self.device
         )
         self.grammars = EngineGrammars(
             self.tokenizer,
@@ -384,6 +388,7 @@ class Engine:
             "kv_total_tokens": self.kv.manager.capacity,
             "page_size": self.config.page_size,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "device_graphs": self.runner.graphs is not None,
             **self.kv.host_health(),
         }
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.grammar import TokenMasker
+from engine.graph_runner import DecodeGraphRunner
 from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
@@ -58,6 +59,8 @@ class ModelRunner:
         self.masker: TokenMasker | None = None  # the engine's, for constrained requests
         # Tensor parallel (rank 0): hands each step's inputs to the other ranks.
         self.on_step: Callable[[StepInputs], None] | None = None
+        # Device graphs for pure decode steps (engine/graph_runner.py); None: all eager.
+        self.graphs: DecodeGraphRunner | None = None
 
     def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
         """Every int64 input of one step in one buffer, one host -> device copy.
@@ -163,6 +166,13 @@ class ModelRunner:
         # Grammar masks are filled on the host before the forward (which a GPU runs
         # asynchronously, so the two overlap there).
         mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
+        if self._graph_step(inputs, batch, sampling):
+            assert self.graphs is not None
+            seq_lens = [s + 1 for s in inputs.prefix_lens]
+            logits = self.graphs.run(
+                inputs.input_ids, inputs.positions, inputs.out_slots, inputs.req_rows, seq_lens
+            )  # [B, vocab] float32, valid until the next replay
+            return self.sampler(logits, sampling, self.eos_token_ids, mask)
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
         if not sampling:
             return None
@@ -170,3 +180,15 @@ class ModelRunner:
             hidden = hidden.index_select(0, ends_t)  # [num_sampling, hidden]
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self.sampler(logits, sampling, self.eos_token_ids, mask)
+
+    def _graph_step(self, inputs: StepInputs, batch: ScheduledBatch, sampling: list[Req]) -> bool:
+        """Whether this step replays a device graph: a pure decode step (every row samples)
+        with no host-tier load to wait for, not tensor parallel, that fits a bucket."""
+        return (
+            self.graphs is not None
+            and inputs.is_decode
+            and self.on_step is None
+            and not batch.kv_loads
+            and len(sampling) == len(inputs.req_rows)
+            and self.graphs.can_run([s + 1 for s in inputs.prefix_lens])
+        )

@@ -246,3 +246,39 @@ def stream_context(spec: DeviceSpec, stream: Any | None) -> Any:
     if module is None or stream is None:
         return contextlib.nullcontext()
     return module.stream(stream)
+
+
+# ---------------------------------------------------------------- device graphs
+
+
+@dataclass(frozen=True)
+class GraphApi:
+    """A backend's graph capture API: torch.cuda's CUDAGraph / graph / graph_pool_handle,
+    or torch_musa's MUSAGraph / graph / graph_pool_handle (the same shape)."""
+
+    module: ModuleType
+    graph_cls: Any  # () -> a graph object with .replay()
+    capture: Any  # context manager: capture(graph, pool=..., ...)
+    pool_handle: Any  # () -> a memory pool id that several captures share
+
+
+GRAPH_DEVICE_TYPES = ("cuda", "musa")
+
+
+def graph_api(device: str | torch.device | DeviceSpec) -> GraphApi | None:
+    """The graph API of ``device``'s backend, resolved by its bare type (``MUSAGraph`` on
+    musa, never a torch.cuda call there); None where there is no such API (cpu, mps,
+    npu, xpu, or a backend build without it)."""
+    kind = _bare_type(device)
+    kind = "cuda" if kind == "hip" else kind
+    if kind not in GRAPH_DEVICE_TYPES:
+        return None
+    module = backend_module(kind)
+    if module is None:
+        return None
+    graph_cls = getattr(module, f"{kind.upper()}Graph", None)
+    capture = getattr(module, "graph", None)
+    pool_handle = getattr(module, "graph_pool_handle", None)
+    if graph_cls is None or capture is None or pool_handle is None:
+        return None
+    return GraphApi(module, graph_cls, capture, pool_handle)

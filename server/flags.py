@@ -149,6 +149,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "enable_mixed_batches",
         invert=True,
     ),
+    FlagSpec(
+        "disable-cuda-graph",
+        "run decode steps eagerly instead of replaying device graphs (graphs are on by "
+        "default on cuda and musa; the CPU has none)",
+        "disable_cuda_graph",
+    ),
+    FlagSpec(
+        "cuda-graph-max-bs",
+        "largest decode batch replayed from a device graph (default: --max-running-requests)",
+        "cuda_graph_max_bs",
+    ),
     FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
     FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
     FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),

@@ -21,6 +21,10 @@ class AttentionBackend(abc.ABC):
     """Writes the new tokens' K/V to the pool and attends each new query over its sequence."""
 
     name = "abstract"
+    # Whether a pure decode step through this backend can be captured in a device graph
+    # when the decode layout is precomputed in ``meta.cache`` (see engine/graph_runner.py):
+    # no host reads of tensor values, no shapes taken from the per-step Python lists.
+    graph_safe_decode = False
 
     @abc.abstractmethod
     def forward(
@@ -43,6 +47,7 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    graph_safe_decode = True
 
     def forward(
         self,

@@ -1,0 +1,370 @@
+"""Pure decode steps replayed from device graphs (CUDA / MUSA): one launch per step
+instead of hundreds, which is what bounds eager decode on a GPU.
+
+A graph is captured per (batch bucket, context bucket). The batch is padded up to its
+bucket with dummy rows, and the decode attention gathers every row's KV padded to the
+context bucket, so every shape inside the graph depends on the bucket only. Everything a
+step changes lives in static device buffers, copied in before each replay:
+
+    input ids, positions, out slots, request-table rows, sequence lengths   [5, bucket]
+
+and the attention layout (the gathered slot index and the padding mask) is computed inside
+the graph from those buffers and the request table, which is a persistent device tensor
+updated in place. The LM head runs inside the graph too; its logits land in one static
+buffer that the sampler (outside the graph) reads before the next replay.
+
+Without a graph API (the CPU; tests) the same code runs with "capture" replaced by a
+direct call of the captured function on the static buffers (``api=None``), so bucketing,
+padding, copy-in, the in-graph layout and the slicing of outputs are tested on any host.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from engine import platform
+from engine.config import EngineConfig
+from engine.host_alloc import pinned_empty
+from engine.kv_setup import KVSetup
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.kvcache.req_table import ReqTable
+from engine.layers.attention_meta import AttentionMetadata
+from engine.layers.moe import SparseMoE
+
+logger = logging.getLogger(__name__)
+
+# The smallest context bucket: below it, one bucket covers every short conversation.
+MIN_CONTEXT_BUCKET = 256
+# Most graphs held at once; steps past it that need a new bucket run eagerly.
+MAX_GRAPHS = 64
+# Eager runs of a bucket's function on a side stream before its capture, as the PyTorch
+# graph docs ask (lazy initialisation, autotuning and allocator warm-up stay out of it).
+WARMUP_RUNS = 2
+# Static input rows, in this order: what a padded row holds in each.
+INPUT_ROWS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")
+# NOTE: a padded row decodes token 0 at position 0 into the pool's dummy slot 0, reads
+# column 0 of request-table row 0 (always a valid slot id: the table starts zeroed and
+# only ever holds slot ids) with a context of 1 (not 0: an all-masked row is NaN), and
+# its output is dropped.
+PAD_VALUES = (0, 0, 0, 0, 1)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 8 to 64, every 16 to 256,
+    every 32 beyond (SGLang's spacing), always ending at ``max_batch``."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 257, 16), *range(288, max_batch + 1, 32)]
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def context_buckets(max_context: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
+    """Context lengths the decode attention is padded to: powers of two from ``smallest``,
+    the last one cut to ``max_context`` (the request table's width)."""
+    buckets = []
+    size = smallest
+    while size < max_context:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_context]
+
+
+def bucket_for(value: int, buckets: list[int]) -> int | None:
+    """The smallest bucket >= ``value``; None when ``value`` is past the largest."""
+    i = bisect.bisect_left(buckets, value)
+    return buckets[i] if i < len(buckets) else None
+
+
+def graph_blockers(model: torch.nn.Module) -> list[str]:
+    """Why a decode step of ``model`` cannot be captured (empty: it can).
+
+    Captured work must not read tensor values on the host nor take shapes from per-step
+    Python values; windowed attention loops over sequences with their own lengths, and
+    MoE routing reads the chosen experts back to the host.
+    """
+    reasons: set[str] = set()
+    for module in model.modules():
+        backend = getattr(module, "attn_backend", None)
+        if backend is not None and not getattr(backend, "graph_safe_decode", False):
+            reasons.add(f"attention backend {backend.name!r} sizes its work per sequence")
+        if isinstance(module, SparseMoE):
+            reasons.add("mixture-of-experts routing reads the chosen experts on the host")
+    return sorted(reasons)
+
+
+class _Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class _DirectCall:
+    """``api=None``: "replay" calls the captured function again, on the same buffers."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class DecodeGraphRunner:
+    """Pads pure decode batches to buckets and replays one device graph per bucket.
+
+    ``api``: the backend's graph API (platform.graph_api); None runs the same static path
+    with direct calls instead of captures (CPU, tests). Graphs are captured lazily, on a
+    bucket's first step, into one memory pool that all of them share.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kv_pool: DeviceKVPool,
+        req_table: ReqTable,
+        device: torch.device,
+        max_batch: int,
+        api: platform.GraphApi | None = None,
+        min_context_bucket: int = MIN_CONTEXT_BUCKET,
+        max_graphs: int = MAX_GRAPHS,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_table = req_table
+        self.device = device
+        self.api = api
+        self.batch_buckets = batch_buckets(max_batch)
+        self.context_buckets = context_buckets(req_table.max_context, min_context_bucket)
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple[int, int], _Replayable] = {}
+        self.replays: Counter[tuple[int, int]] = Counter()  # per (batch, context) bucket
+        self._warned_full = False
+        self._spec = platform.parse_device(device)
+        self._pool = api.pool_handle() if api is not None else None
+        # Static buffers, allocated outside any capture so no graph's pool holds them.
+        self._inputs = torch.zeros(len(INPUT_ROWS) * max_batch, dtype=torch.int64, device=device)
+        self._columns = torch.arange(req_table.max_context, device=device)  # [max_context]
+        self._logits = torch.zeros(max_batch, self._vocab_width(), device=device)  # float32
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_buckets[-1]
+
+    def _vocab_width(self) -> int:
+        """Columns of ``compute_logits`` (the lm_head may be padded past the vocabulary)."""
+        embed = self.model.model.embed_tokens  # [vocab, hidden]
+        probe = torch.zeros(1, embed.shape[1], dtype=embed.dtype, device=self.device)
+        return int(self.model.compute_logits(probe).shape[1])
+
+    def _views(self, batch: int) -> list[torch.Tensor]:
+        """The static input rows of a ``batch`` bucket: ``INPUT_ROWS``, each ``[batch]``."""
+        return list(self._inputs[: len(INPUT_ROWS) * batch].view(len(INPUT_ROWS), batch))
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def bucket_of(self, seq_lens: list[int]) -> tuple[int, int] | None:
+        """(batch bucket, context bucket) of a decode batch; None when it has none."""
+        batch = bucket_for(len(seq_lens), self.batch_buckets)
+        context = bucket_for(max(seq_lens), self.context_buckets)
+        if batch is None or context is None:
+            return None
+        return batch, context
+
+    def can_run(self, seq_lens: list[int]) -> bool:
+        """Whether a decode batch with these context lengths (new token included) can be
+        replayed: it fits a bucket, and that bucket has a graph or room for one."""
+        key = self.bucket_of(seq_lens)
+        if key is None:
+            return False
+        if key in self.graphs or len(self.graphs) < self.max_graphs:
+            return True
+        if not self._warned_full:
+            self._warned_full = True
+            logger.warning(
+                "device graphs: all %d captured (the cap); decode steps of other batch / "
+                "context buckets run eagerly",
+                self.max_graphs,
+            )
+        return False
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        out_slots: torch.Tensor,
+        req_rows: list[int],
+        seq_lens: list[int],
+    ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` float32 of a pure decode batch of B rows.
+
+        NOTE: a view of the static logits buffer, overwritten by the next replay: read it
+        (the sampler does, on the same stream) before running another step.
+        """
+        key = self.bucket_of(seq_lens)
+        assert key is not None, "run() a batch that can_run() accepted"
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(*key)
+        self._copy_in(key[0], input_ids, positions, out_slots, req_rows, seq_lens)
+        graph.replay()
+        self.replays[key] += 1
+        return self._logits[: len(seq_lens)]
+
+    def _copy_in(
+        self,
+        batch: int,
+        input_ids: list[int],
+        positions: list[int],
+        out_slots: torch.Tensor,
+        req_rows: list[int],
+        seq_lens: list[int],
+    ) -> None:
+        """This step's rows, padded to ``batch``, into the static inputs: one host buffer
+        (pinned on accelerators) and one asynchronous copy."""
+        pad = batch - len(seq_lens)
+        rows = (input_ids, positions, out_slots.tolist(), req_rows, seq_lens)
+        flat: list[int] = []
+        for values, pad_value in zip(rows, PAD_VALUES):
+            flat.extend(values)
+            flat.extend([pad_value] * pad)
+        size = len(INPUT_ROWS) * batch
+        if self.device.type != "cpu":
+            host = pinned_empty(size, torch.int64)
+            host.copy_(torch.tensor(flat, dtype=torch.int64))
+        else:
+            host = torch.tensor(flat, dtype=torch.int64)
+        self._inputs[:size].copy_(host, non_blocking=True)
+
+    # ---- capture ------------------------------------------------------------------------
+
+    def _bucket_forward(self, batch: int, context: int) -> Callable[[], None]:
+        """The function a (batch, context) graph captures. It reads only static buffers
+        (and the pool and request table, updated in place) and closes over nothing that
+        changes between steps: a replay must compute the step from the buffers alone."""
+        input_ids, positions, out_slots, req_rows, seq_lens = self._views(batch)
+        columns = self._columns[:context]  # [context]
+        table = self.req_table.table  # [max_rows, max_context] int32
+        logits = self._logits[:batch]  # [batch, vocab]
+
+        def forward() -> None:
+            valid = columns[None, :] < seq_lens[:, None]  # [batch, context]
+            # Columns past a row's length may hold stale slots: read dummy slot 0 there.
+            slots = table[req_rows, :context].long().masked_fill(~valid, 0)  # [batch, context]
+            meta = AttentionMetadata(
+                is_decode=True,
+                out_slots=out_slots,
+                req_rows=req_rows,
+                seq_lens=seq_lens,
+                req_table=table,
+                # The bucket's shape, not the step's lengths: decode attention reads the
+                # layout below from the cache and never these lists.
+                prefix_lens_list=[context - 1] * batch,
+                extend_lens_list=[1] * batch,
+                seq_lens_list=[context] * batch,
+                max_seq_len=context,
+            )
+            meta.cache["decode_slots"] = slots.reshape(-1)  # [batch * context]
+            meta.cache["decode_mask"] = valid[:, None, None, :]  # [batch, 1, 1, context]
+            hidden = self.model(input_ids, positions, meta, self.kv_pool)  # [batch, hidden]
+            logits.copy_(self.model.compute_logits(hidden))  # [batch, vocab] float32
+
+        return forward
+
+    def _capture(self, batch: int, context: int) -> _Replayable:
+        started = time.perf_counter()
+        # Dummy rows only: warm-up runs really execute, and must write nothing but slot 0.
+        for view, pad_value in zip(self._views(batch), PAD_VALUES):
+            view.fill_(pad_value)
+        forward = self._bucket_forward(batch, context)
+        graph: _Replayable
+        if self.api is None:
+            graph = _DirectCall(forward)
+        else:
+            graph = self._capture_device_graph(forward, self.api)
+        self.graphs[(batch, context)] = graph
+        logger.info(
+            "device graphs: captured batch %d x context %d in %.0f ms (%d graphs)",
+            batch,
+            context,
+            (time.perf_counter() - started) * 1e3,
+            len(self.graphs),
+        )
+        return graph
+
+    def _capture_device_graph(
+        self, forward: Callable[[], None], api: platform.GraphApi
+    ) -> _Replayable:
+        main = platform.current_stream(self._spec)
+        side = platform.new_stream(self._spec)
+        assert main is not None and side is not None, "graph backends have streams"
+        side.wait_stream(main)  # the warm-up reads what the main stream wrote
+        with platform.stream_context(self._spec, side):
+            for _ in range(WARMUP_RUNS):
+                forward()
+        main.wait_stream(side)
+        graph = api.graph_cls()
+        with api.capture(graph, **self._capture_options(api)):
+            forward()
+        return graph  # type: ignore[no-any-return]
+
+    def _capture_options(self, api: platform.GraphApi) -> dict[str, Any]:
+        options: dict[str, Any] = {"pool": self._pool}
+        try:
+            accepted = inspect.signature(api.capture).parameters
+        except (TypeError, ValueError):
+            return options
+        if "capture_error_mode" in accepted:
+            # Only this thread's unsafe calls break the capture; another thread (an L3
+            # reader, a grammar compile) may use the runtime meanwhile.
+            options["capture_error_mode"] = "thread_local"
+        return options
+
+
+def build_decode_graphs(
+    config: EngineConfig,
+    model: Any,
+    kv: KVSetup,
+    spec: platform.DeviceSpec,
+    device: torch.device,
+) -> DecodeGraphRunner | None:
+    """The engine's decode graph runner, or None (logged) where decode stays eager:
+    turned off, a device without graphs (cpu, mps, npu, xpu), tensor parallelism (not
+    supported yet: ranks would have to replay in lockstep), or a model with work that
+    cannot be captured."""
+    if config.disable_cuda_graph:
+        logger.info("device graphs: off (--disable-cuda-graph)")
+        return None
+    api = platform.graph_api(spec)
+    if api is None:
+        if spec.type != "cpu":
+            logger.info("device graphs: %s has no graph API; decode runs eagerly", spec.type)
+        return None
+    if config.tensor_parallel_size > 1:
+        logger.info(
+            "device graphs: off under tensor parallelism (tp=%d); decode runs eagerly",
+            config.tensor_parallel_size,
+        )
+        return None
+    blockers = graph_blockers(model)
+    if blockers:
+        logger.warning(
+            "device graphs: off for this model (%s); decode runs eagerly", "; ".join(blockers)
+        )
+        return None
+    max_batch = min(
+        config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests
+    )
+    runner = DecodeGraphRunner(model, kv.device_pool, kv.req_table, device, max_batch, api=api)
+    logger.info(
+        "device graphs: on for decode batches up to %d (buckets %s) and contexts up to %d "
+        "(buckets %s); captured lazily, at most %d",
+        runner.max_batch,
+        runner.batch_buckets,
+        runner.context_buckets[-1],
+        runner.context_buckets,
+        runner.max_graphs,
+    )
+    return runner
