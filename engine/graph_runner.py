@@ -142,6 +142,8 @@ class DecodeGraphRunner:
         self.graphs: dict[tuple[int, int], _Replayable] = {}
         self.replays: Counter[tuple[int, int]] = Counter()  # per (batch, context) bucket
         self._warned_full = False
+        # Set when a capture failed: every later decode step runs eagerly.
+        self.failure: BaseException | None = None
         self._spec = platform.parse_device(device)
         self._pool = api.pool_handle() if api is not None else None
         # Static buffers, allocated outside any capture so no graph's pool holds them.
@@ -177,7 +179,7 @@ class DecodeGraphRunner:
         """Whether a decode batch with these context lengths (new token included) can be
         replayed: it fits a bucket, and that bucket has a graph or room for one."""
         key = self.bucket_of(seq_lens)
-        if key is None:
+        if key is None or self.failure is not None:
             return False
         if key in self.graphs or len(self.graphs) < self.max_graphs:
             return True
@@ -197,8 +199,9 @@ class DecodeGraphRunner:
         out_slots: torch.Tensor,
         req_rows: list[int],
         seq_lens: list[int],
-    ) -> torch.Tensor:
-        """Logits ``[B, vocab]`` float32 of a pure decode batch of B rows.
+    ) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` float32 of a pure decode batch of B rows; None when its
+        graph could not be captured (the caller runs the step eagerly).
 
         NOTE: a view of the static logits buffer, overwritten by the next replay: read it
         (the sampler does, on the same stream) before running another step.
@@ -207,7 +210,18 @@ class DecodeGraphRunner:
         assert key is not None, "run() a batch that can_run() accepted"
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(*key)
+            try:
+                graph = self._capture(*key)
+            except Exception as exc:  # an op the backend cannot capture
+                self.failure = exc
+                logger.warning(
+                    "device graphs: capturing batch %d x context %d failed (%s: %s); "
+                    "decode runs eagerly from now on (--disable-cuda-graph silences this)",
+                    *key,
+                    type(exc).__name__,
+                    exc,
+                )
+                return None
         self._copy_in(key[0], input_ids, positions, out_slots, req_rows, seq_lens)
         graph.replay()
         self.replays[key] += 1

@@ -166,12 +166,8 @@ class ModelRunner:
         # Grammar masks are filled on the host before the forward (which a GPU runs
         # asynchronously, so the two overlap there).
         mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
-        if self._graph_step(inputs, batch, sampling):
-            assert self.graphs is not None
-            seq_lens = [s + 1 for s in inputs.prefix_lens]
-            logits = self.graphs.run(
-                inputs.input_ids, inputs.positions, inputs.out_slots, inputs.req_rows, seq_lens
-            )  # [B, vocab] float32, valid until the next replay
+        logits = self._replay_decode(inputs, batch, sampling)  # [B, vocab] or None
+        if logits is not None:
             return self.sampler(logits, sampling, self.eos_token_ids, mask)
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
         if not sampling:
@@ -181,14 +177,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
         return self.sampler(logits, sampling, self.eos_token_ids, mask)
 
-    def _graph_step(self, inputs: StepInputs, batch: ScheduledBatch, sampling: list[Req]) -> bool:
-        """Whether this step replays a device graph: a pure decode step (every row samples)
-        with no host-tier load to wait for, not tensor parallel, that fits a bucket."""
-        return (
-            self.graphs is not None
-            and inputs.is_decode
-            and self.on_step is None
-            and not batch.kv_loads
-            and len(sampling) == len(inputs.req_rows)
-            and self.graphs.can_run([s + 1 for s in inputs.prefix_lens])
+    def _replay_decode(
+        self, inputs: StepInputs, batch: ScheduledBatch, sampling: list[Req]
+    ) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` of a step replayed from a device graph (valid until the
+        next replay), or None: run it eagerly. Graphs take pure decode steps (every row
+        samples) with no host-tier load to wait for, not tensor parallel, that fit a
+        bucket."""
+        graphs = self.graphs
+        if graphs is None or not inputs.is_decode or self.on_step is not None:
+            return None
+        seq_lens = [s + 1 for s in inputs.prefix_lens]  # [B] the new token included
+        if batch.kv_loads or len(sampling) != len(seq_lens) or not graphs.can_run(seq_lens):
+            return None
+        return graphs.run(
+            inputs.input_ids, inputs.positions, inputs.out_slots, inputs.req_rows, seq_lens
         )

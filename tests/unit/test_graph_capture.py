@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, MixtralConfig
 
-from engine import EngineConfig, platform
+from engine import EngineConfig, SamplingParams, platform
 from engine.graph_runner import (
     WARMUP_RUNS,
     DecodeGraphRunner,
@@ -127,6 +127,33 @@ def test_capture_warms_up_on_a_side_stream_then_captures_once(
     # The warm-up ran for real and wrote the dummy slot 0 only.
     changed = (engine.kv.device_pool.kv_buffer != before).flatten(3).any(-1).any(0).any(0)
     assert changed.nonzero().flatten().tolist() == [0]
+
+
+def test_a_failed_capture_leaves_decode_eager(
+    tiny_llama_dir: Path, fake_musa: FakeStreamBackend
+) -> None:
+    fake = FakeGraphBackend(fake_musa)
+
+    @contextlib.contextmanager
+    def failing(graph: FakeGraph, **options: Any) -> Iterator[None]:
+        raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+
+    fake_musa.graph = failing
+    api = platform.graph_api("musa")
+    assert api is not None and fake.captures == []
+    prompts = [[100 + i for i in range(n)] for n in (5, 9)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in engine_for(tiny_llama_dir).generate(prompts, params)]
+    engine = engine_for(tiny_llama_dir)
+    runner = DecodeGraphRunner(
+        engine.model, engine.kv.device_pool, engine.kv.req_table, engine.device, 8, api=api
+    )
+    runner._spec = platform.DeviceSpec("musa", 0)
+    engine.runner.graphs = runner
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert isinstance(runner.failure, RuntimeError) and not runner.graphs
+    assert not runner.can_run([3])  # no second try
 
 
 def test_graph_blockers() -> None:

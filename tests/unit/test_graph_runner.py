@@ -86,9 +86,10 @@ class CheckedRunner(DecodeGraphRunner):
         self.graphs[(batch, context)] = checked
         return checked
 
-    def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def run(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         out_slots, seq_lens = args[2], args[4]
         logits = super().run(*args, **kwargs)
+        assert logits is not None
         key = self.bucket_of(seq_lens)
         assert key is not None
         self.steps.append((len(seq_lens), key, out_slots.tolist()))
