@@ -211,7 +211,7 @@ class DecodeGraphRunner:
         graph = self.graphs.get(key)
         if graph is None:
             try:
-                graph = self._capture(*key)
+                graph = self.capture(*key)
             except Exception as exc:  # an op the backend cannot capture
                 self.failure = exc
                 logger.warning(
@@ -287,7 +287,8 @@ class DecodeGraphRunner:
 
         return forward
 
-    def _capture(self, batch: int, context: int) -> _Replayable:
+    def capture(self, batch: int, context: int) -> _Replayable:
+        """Capture the (batch, context) bucket's graph now (run() does on first use)."""
         started = time.perf_counter()
         # Dummy rows only: warm-up runs really execute, and must write nothing but slot 0.
         for view, pad_value in zip(self._views(batch), PAD_VALUES):

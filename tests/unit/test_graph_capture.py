@@ -113,7 +113,7 @@ def test_capture_warms_up_on_a_side_stream_then_captures_once(
 
     engine.model.forward = forward
     before = engine.kv.device_pool.kv_buffer.clone()
-    graph = runner._capture(4, 256)
+    graph = runner.capture(4, 256)
     assert isinstance(graph, FakeGraph) and runner.graphs == {(4, 256): graph}
     warmups, captured = calls[:WARMUP_RUNS], calls[WARMUP_RUNS:]
     assert all(stream.startswith("side") and not capturing for stream, capturing in warmups)

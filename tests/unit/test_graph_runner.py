@@ -81,8 +81,8 @@ class CheckedRunner(DecodeGraphRunner):
         self.written: list[set[int]] = []
         self.traces: dict[tuple[int, int], list[HostReads]] = {}
 
-    def _capture(self, batch: int, context: int) -> Any:
-        checked = CheckedReplay(super()._capture(batch, context), self, (batch, context))
+    def capture(self, batch: int, context: int) -> Any:
+        checked = CheckedReplay(super().capture(batch, context), self, (batch, context))
         self.graphs[(batch, context)] = checked
         return checked
 

@@ -1,0 +1,162 @@
+"""Decode steps replayed from CUDA graphs: greedy tokens equal to eager decode (fp32
+through batch and context buckets, a bf16 batch), no host sync in a replayed step, and
+decode speed with graphs against without for the report."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.graph_runner import DecodeGraphRunner
+from tests.gpu.conftest import VOCAB, Figures
+from tests.gpu.test_gpu_engine import decode_speed, engine_for, prompts
+
+pytestmark = pytest.mark.cuda
+
+
+def graphs_of(engine: Engine) -> DecodeGraphRunner:
+    runner = engine.runner.graphs
+    assert runner is not None, "device graphs are off on CUDA (see the engine's log)"
+    assert engine.health()["device_graphs"] is True
+    return runner
+
+
+def staggered(engine: Engine, seed: int) -> list[list[int]]:
+    """11 requests that start together (batch bucket 16) and end at different steps
+    (buckets 8, 4, 2, 1 on the way down); two of the 248-token prompts cross the
+    256-token context bucket while they decode."""
+    rng = random.Random(seed)
+    ids = []
+    for i in range(11):
+        length = 248 if i < 3 else rng.randrange(8, 60)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(length)]
+        params = SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True)
+        ids.append(engine.add_request(prompt, params))
+    final: dict[str, list[int]] = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+    return [final[i] for i in ids]
+
+
+def test_fp32_graphs_match_eager_across_buckets(tiny_model_dir: Path) -> None:
+    eager = engine_for(tiny_model_dir, kv_cache_tokens=4096, disable_cuda_graph=True)
+    assert eager.runner.graphs is None
+    expected = staggered(eager, seed=1)
+    eager.close()
+    engine = engine_for(tiny_model_dir, kv_cache_tokens=4096)
+    runner = graphs_of(engine)
+    got = staggered(engine, seed=1)
+    assert runner.failure is None, runner.failure
+    assert got == expected
+    batches = {batch for batch, _ in runner.replays}
+    contexts = {context for _, context in runner.replays}
+    assert {16, 8, 4} <= batches, runner.replays
+    assert {256, 512} <= contexts, runner.replays
+    stats = engine.stats()
+    assert stats["kv_used"] == 0 and stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
+    engine.close()
+
+
+def test_bf16_decode_batch_with_graphs_matches_eager(tiny_model_dir: Path) -> None:
+    batch = prompts(8, 20, seed=3)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    eager = engine_for(
+        tiny_model_dir, dtype="bfloat16", kv_cache_tokens=1024, disable_cuda_graph=True
+    )
+    expected = [out.token_ids for out in eager.generate(batch, params)]
+    eager.close()
+    engine = engine_for(tiny_model_dir, dtype="bfloat16", kv_cache_tokens=1024)
+    runner = graphs_of(engine)
+    got = [out.token_ids for out in engine.generate(batch, params)]
+    assert runner.failure is None, runner.failure
+    assert got == expected
+    assert runner.replays[(8, 256)] >= 14  # every decode step of the batch replayed
+    engine.close()
+
+
+def test_replayed_steps_never_sync_the_host(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_for(tiny_model_dir, kv_cache_tokens=1024)
+    runner = graphs_of(engine)
+    runner.capture(4, 256)
+    real_run = runner.run
+    replayed: list[int] = []
+
+    def run(*args: Any) -> torch.Tensor | None:
+        # Copy-in and replay only (capturing synchronises, by design).
+        if runner.bucket_of(args[4]) not in runner.graphs:
+            return real_run(*args)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = real_run(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        replayed.append(len(args[4]))
+        return logits
+
+    monkeypatch.setattr(runner, "run", run)
+    engine.generate(prompts(3, 20, seed=5), SamplingParams(max_tokens=6, temperature=0))
+    assert replayed and set(replayed) == {3}
+    engine.close()
+
+
+def test_decode_speed_with_and_without_graphs(small_model_dir: Path, figures: Figures) -> None:
+    results: dict[tuple[bool, int], float] = {}
+    for graphs in (False, True):
+        engine = engine_for(
+            small_model_dir,
+            dtype="bfloat16",
+            kv_cache_tokens=8192,
+            disable_cuda_graph=not graphs,
+        )
+        engine.check_invariants = False  # a timing, not an accounting check
+        if graphs:
+            runner = graphs_of(engine)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved()
+            for batch in (1, 32):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                runner.capture(batch, 256)  # what a lazy first step adds, once
+                torch.cuda.synchronize()
+                figures.add(
+                    f"graph capture, batch {batch} x context 256",
+                    round((time.perf_counter() - start) * 1e3, 1),
+                    "ms",
+                )
+            figures.add(
+                "graph memory reserved (2 graphs, shared pool)",
+                round((torch.cuda.memory_reserved() - before) / 2**20, 1),
+                "MiB",
+            )
+        decode_speed(engine, 4)  # warm-up: kernels, allocator
+        for batch in (1, 32):
+            tokens_per_s, itl = decode_speed(engine, batch)
+            label = "graphs" if graphs else "eager"
+            figures.add(
+                f"decode batch {batch}, {label}: throughput", round(tokens_per_s, 1), "tok/s"
+            )
+            figures.add(
+                f"decode batch {batch}, {label}: inter-token latency", round(itl * 1e3, 2), "ms"
+            )
+            results[(graphs, batch)] = tokens_per_s
+        if graphs:
+            assert runner.failure is None, runner.failure
+            assert runner.replays[(1, 256)] >= 32 and runner.replays[(32, 256)] >= 32
+        engine.close()
+    for batch in (1, 32):
+        figures.add(
+            f"decode batch {batch}: graphs / eager",
+            round(results[(True, batch)] / results[(False, batch)], 2),
+            "x",
+        )
