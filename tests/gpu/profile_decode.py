@@ -3,7 +3,7 @@ random-weight Llama in bf16, decode step times at several batch sizes against HF
 ``generate`` on the same weights, and a profiler summary of one batch's decode steps
 (the host-device syncs per step counted).
 
-    python3 tests/gpu/profile_decode.py [--out DIR]
+    python3 tests/gpu/profile_decode.py [--out DIR] [--disable-cuda-graph]
 
 Uses the machine's own python3 and torch, like the device check.
 """
@@ -95,6 +95,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="where the profiler tables go")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    parser.add_argument(
+        "--disable-cuda-graph", action="store_true", help="eager decode steps (no CUDA graphs)"
+    )
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -110,10 +113,15 @@ def main() -> int:
                 kv_cache_tokens=65536,
                 max_running_requests=128,
                 enable_prefix_cache=False,
+                disable_cuda_graph=args.disable_cuda_graph,
             )
         )
         params = sum(p.numel() for p in engine.model.parameters())
-        print(f"model: {params / 1e9:.2f}B parameters, bf16, prompt {PROMPT}, output {OUTPUT}")
+        graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
+        print(
+            f"model: {params / 1e9:.2f}B parameters, bf16, prompt {PROMPT}, output {OUTPUT}, "
+            f"decode {graphs} (a bucket's first step includes its capture)"
+        )
         decode_steps(engine, 4)  # warm-up
         for batch in (1, 16, 64):
             times = decode_steps(engine, batch)
@@ -136,7 +144,7 @@ def main() -> int:
         syncs = {
             e.key: e.count / 8
             for e in averages
-            if "Synchronize" in e.key or "Memcpy" in e.key or "cudaLaunchKernel" in e.key
+            if any(k in e.key for k in ("Synchronize", "Memcpy", "cudaLaunchKernel", "GraphLaunch"))
         }
         print("batch 64, per decode step (8 profiled):")
         for key, per_step in sorted(syncs.items()):
