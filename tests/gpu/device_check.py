@@ -4,8 +4,9 @@
 
 Uses the machine's own python3 and torch (never a venv, never installs anything), runs
 only tests/gpu/, and prints one short report: what ran, host-tier copy GB/s against one
-large copy, decode tokens/s and inter-token latency at batch 1 and 32. Exits at once,
-non-zero, when no CUDA device is visible.
+large copy, decode tokens/s and inter-token latency at batch 1 and 32, with CUDA graphs
+and without (tests/gpu/test_gpu_graphs.py). Exits at once, non-zero, when no CUDA device
+is visible.
 """
 
 from __future__ import annotations

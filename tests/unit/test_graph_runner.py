@@ -270,3 +270,25 @@ def test_context_buckets_and_lookup() -> None:
     buckets = context_buckets(1000, 256)
     assert [bucket_for(n, buckets) for n in (1, 256, 257, 999, 1000)] == [256, 256, 512, 1000, 1000]
     assert bucket_for(1001, buckets) is None
+
+
+def test_only_plain_decode_steps_replay(tiny_llama_dir: Path) -> None:
+    engine = engine_for(tiny_llama_dir)
+    runner = with_graphs(engine)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for n in (4, 7):
+        engine.add_request(_prompt(random.Random(n), n), params)
+    engine.step()  # the prefill
+    batch = engine.scheduler.schedule()
+    assert batch is not None and batch.is_decode
+    inputs, sampling = engine.runner.step_inputs(batch)
+    batch.kv_loads = [object()]  # a host-tier load to wait for: eager
+    assert engine.runner._replay_decode(inputs, batch, sampling) is None
+    batch.kv_loads = []
+    engine.runner.on_step = lambda _: None  # tensor parallel: eager
+    assert engine.runner._replay_decode(inputs, batch, sampling) is None
+    engine.runner.on_step = None
+    assert engine.runner._replay_decode(inputs, batch, sampling[:1]) is None  # a row not sampling
+    assert not runner.steps
+    logits = engine.runner._replay_decode(inputs, batch, sampling)
+    assert logits is not None and logits.shape[0] == 2 and runner.steps
