@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -20,6 +21,22 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.5 * noise)
             else:
                 param.copy_(0.15 * noise)
+
+
+def random_hf_model(config: Any, seed: int, attn_implementation: str | None = None) -> Any:
+    """The HF model of ``config`` with ``randomize``d weights, in eval mode, generating
+    exactly as many tokens as asked (no EOS)."""
+    options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, **options).eval()
+    randomize(hf_model, seed)
+    if config.model_type.startswith("gemma"):
+        # Gemma multiplies embeddings by sqrt(hidden_size): undo that in the random weights,
+        # or each token's own embedding dominates the residual and greedy output repeats.
+        with torch.no_grad():
+            hf_model.model.embed_tokens.weight.div_(config.hidden_size**0.5)
+    hf_model.generation_config.eos_token_id = None
+    hf_model.generation_config.pad_token_id = 0
+    return hf_model
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
