@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kvcache.device_pool import DeviceKVPool
@@ -55,7 +55,11 @@ class Gemma3Attention(LlamaAttention):
 
 
 class GemmaDecoderLayer(nn.Module):
-    """Sandwich-norm block: ``h + post_norm(attn(pre_norm(h)))``, then the same for the MLP."""
+    """Sandwich-norm block: ``h + post_norm(attn(pre_norm(h)))``, then the same for the MLP.
+
+    Called as LlamaDecoderLayer is: the residual stream ``h`` arrives as the previous
+    block's output plus ``residual``, and the MLP's normed output leaves unadded.
+    """
 
     def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -75,16 +79,22 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]: the residual stream
+        hidden: torch.Tensor,  # [T, hidden]: previous block's output (not yet added)
+        residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
-    ) -> torch.Tensor:  # [T, hidden]
-        attn = self.self_attn.forward(self.input_layernorm.forward(hidden), cos, sin, meta, kv_pool)
-        hidden = hidden + self.post_attention_layernorm.forward(attn)
-        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
-        return hidden + self.post_feedforward_layernorm.forward(mlp)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm.forward(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn = self.self_attn.forward(normed, cos, sin, meta, kv_pool)
+        residual = residual + self.post_attention_layernorm.forward(attn)
+        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(residual))
+        return self.post_feedforward_layernorm.forward(mlp), residual
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -129,22 +139,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         scale = float(hf_config.query_pre_attn_scalar) ** -0.5
         return layer_backends(hf_config, self.attn_backend, softcap=softcap, scale=scale)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        meta: AttentionMetadata,
-        kv_pool: DeviceKVPool,
-    ) -> torch.Tensor:  # [T, hidden] after the final norm
-        hidden = F.embedding(input_ids, self.model.embed_tokens)  # [T, hidden]
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        cos_sin = {
-            kind: rotary.cos_sin(positions, hidden.dtype) for kind, rotary in self.rotaries.items()
-        }  # kind -> ([T, 1, head_dim], [T, 1, head_dim])
-        for kind, layer in zip(self.kinds, self.model.layers):
-            cos, sin = cos_sin[kind]
-            hidden = layer.forward(hidden, cos, sin, meta, kv_pool)
-        return self.model.norm.forward(hidden)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = super().embed(input_ids)  # [T, hidden]
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def layer_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        # kind -> ([T, 1, head_dim], [T, 1, head_dim]); each layer takes its kind's pair.
+        cos_sin = {kind: rotary.cos_sin(positions, dtype) for kind, rotary in self.rotaries.items()}
+        return [cos_sin[kind] for kind in self.kinds]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits, soft-capped when configured."""
