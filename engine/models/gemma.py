@@ -58,7 +58,8 @@ class GemmaDecoderLayer(nn.Module):
     """Sandwich-norm block: ``h + post_norm(attn(pre_norm(h)))``, then the same for the MLP.
 
     Called as LlamaDecoderLayer is: the residual stream ``h`` arrives as the previous
-    block's output plus ``residual``, and the MLP's normed output leaves unadded.
+    block's output plus ``residual``, and the MLP's normed output leaves unadded (the
+    next layer, or the final norm, adds it).
     """
 
     def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
@@ -86,15 +87,11 @@ class GemmaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            normed = self.input_layernorm.forward(hidden)
-        else:
-            normed, residual = self.input_layernorm.add_forward(hidden, residual)
-        attn = self.self_attn.forward(normed, cos, sin, meta, kv_pool)
-        residual = residual + self.post_attention_layernorm.forward(attn)
-        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(residual))
-        return self.post_feedforward_layernorm.forward(mlp), residual
+        stream = hidden if residual is None else hidden + residual  # [T, hidden]
+        attn = self.self_attn.forward(self.input_layernorm.forward(stream), cos, sin, meta, kv_pool)
+        stream = stream + self.post_attention_layernorm.forward(attn)
+        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(stream))
+        return self.post_feedforward_layernorm.forward(mlp), stream
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
