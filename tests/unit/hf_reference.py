@@ -7,6 +7,8 @@ from typing import Any
 import torch
 import transformers
 
+from tests.unit.model_driver import GreedyDriver
+
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Large weights give well-separated logits, so greedy choices are not float noise;
@@ -46,3 +48,15 @@ def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
     )
     return out[0, len(prompt) :].tolist()
+
+
+def assert_batched_greedy_matches_hf(
+    hf_model: Any, model: Any, prompts: list[list[int]], max_new_tokens: int
+) -> None:
+    """``model`` run greedily on ``prompts`` as one batch gives HF ``generate``'s tokens for
+    each; a reference with two or fewer distinct tokens is refused (the check would be weak)."""
+    ours = GreedyDriver(model).generate(prompts, max_new_tokens)
+    for prompt, gen in zip(prompts, ours, strict=True):
+        expected = hf_greedy(hf_model, prompt, max_new_tokens)
+        assert len(set(expected)) > 2, "degenerate reference; the check would be weak"
+        assert gen.tokens == expected
