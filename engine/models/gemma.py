@@ -26,6 +26,7 @@ from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, read_rope_params
 from engine.models.layer_attention import FULL, SLIDING, layer_backends, layer_types
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
+from engine.models.qwen3 import Qwen3Attention
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -38,20 +39,10 @@ class GemmaRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(LlamaAttention):
-    """Gemma attention with Gemma-style RMSNorms over each q and k head before RoPE."""
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's per-head q and k norms before RoPE, as Gemma-style RMSNorms."""
 
-    def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
-        super().__init__(hf_config, layer_id, attn_backend)
-        eps = float(hf_config.rms_norm_eps)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-
-    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
-        # [T, q_heads + kv_heads, head_dim]
-        q = self.q_norm.forward(qk[:, : self.q_heads])
-        k = self.k_norm.forward(qk[:, self.q_heads :])
-        return torch.cat((q, k), dim=1)
+    qk_norm_cls = GemmaRMSNorm
 
 
 class GemmaDecoderLayer(nn.Module):
