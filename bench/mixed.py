@@ -61,18 +61,25 @@ def serve_and_run(
     return reports
 
 
-def decode_step_ms(
-    launch: LaunchOptions, batch: int, input_len: int, steps: int, seed: int
-) -> float:
-    """Median wall time of a decode-only step with ``batch`` requests decoding."""
-    engine = Engine(
+def launched_engine(launch: LaunchOptions, **switches: bool) -> Engine:
+    """An engine in this process with the model, device, dtype and KV pool ``launch`` gives
+    the servers it starts, and the engine ``switches`` on top (config defaults otherwise)."""
+    return Engine(
         EngineConfig(
             model=launch.model,
             device=launch.device,
             dtype=launch.dtype,
             kv_cache_tokens=launch.kv_cache_tokens,
+            **switches,  # type: ignore[arg-type]
         )
     )
+
+
+def decode_step_ms(
+    launch: LaunchOptions, batch: int, input_len: int, steps: int, seed: int
+) -> float:
+    """Median wall time of a decode-only step with ``batch`` requests decoding."""
+    engine = launched_engine(launch)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     for _ in range(batch):
@@ -95,15 +102,7 @@ def engine_run(
 ) -> tuple[float, float]:
     """The workload on an engine in this process, Poisson arrivals at ``rate`` by the wall
     clock (no HTTP): (output tokens/s, median inter-token latency in ms)."""
-    engine = Engine(
-        EngineConfig(
-            model=launch.model,
-            device=launch.device,
-            dtype=launch.dtype,
-            kv_cache_tokens=launch.kv_cache_tokens,
-            enable_mixed_batches=mixed,
-        )
-    )
+    engine = launched_engine(launch, enable_mixed_batches=mixed)
     rng = random.Random(seed)
     arrivals, at = [], 0.0
     for request in workload.requests:

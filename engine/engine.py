@@ -14,6 +14,7 @@ import torch
 from engine import dtypes, loader, platform
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_stats import EngineStats
 from engine.grammar import EngineGrammars, GrammarBackend
 from engine.grammar_spec import check_spec
 from engine.graph_runner import build_decode_graphs
@@ -127,17 +128,8 @@ class Engine:
         )
         self.runner.masker = self.grammars.masker
         self.requests: dict[str, Req] = {}
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "prompt_tokens_total",
-                "generation_tokens_total",
-                "cached_tokens_device_total",
-                "cached_tokens_host_total",
-                "cached_tokens_storage_total",
-                "requests_finished_total",
-            ),
-            0,
-        )
+        self.reporter = EngineStats(self.scheduler, self.kv)
+        self.counters = self.reporter.counters  # totals since start, also in stats()
         self.check_invariants = False  # tests turn this on: accounting checked every step
         if self.tp is not None:
             self.tp.attach(self.kv, self.runner)
@@ -246,7 +238,7 @@ class Engine:
         if result is not None:
             outputs.extend(self._postprocess(batch, result.token_ids, result.logprobs))
         if not batch.is_decode:
-            self._log_prefill(batch, time.perf_counter() - started)
+            self.reporter.log_prefill(batch, time.perf_counter() - started)
         if self.check_invariants:
             self.kv.manager.check_invariants(self.scheduler.running)
         return outputs
@@ -261,7 +253,7 @@ class Engine:
             if req.finished:
                 continue
             if not req.output_ids and req.num_retractions == 0:
-                self._count_prompt(req)
+                self.reporter.count_prompt(req)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.output_ids.append(token)
@@ -303,30 +295,6 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self.counters["requests_finished_total"] += 1
 
-    def _count_prompt(self, req: Req) -> None:
-        self.counters["prompt_tokens_total"] += len(req.prompt_ids)
-        self.counters["cached_tokens_device_total"] += req.cached_device
-        self.counters["cached_tokens_host_total"] += req.cached_host
-        self.counters["cached_tokens_storage_total"] += req.cached_storage
-
-    def _log_prefill(self, batch: ScheduledBatch, seconds: float) -> None:
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        prefills = batch.prefill_reqs
-        logger.info(
-            "prefill batch: %d reqs, %d new tokens, cached %d device / %d host / %d storage, "
-            "%d decodes mixed in, running %d, waiting %d, %.0f tok/s",
-            len(prefills),
-            batch.num_prefill_tokens,
-            sum(r.cached_device for r in prefills),
-            sum(r.cached_host for r in prefills),
-            sum(r.cached_storage for r in prefills),
-            batch.num_decodes,
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-            batch.num_tokens / max(seconds, 1e-9),
-        )
-
     # ------------------------------------------------------------------ offline
     def generate(
         self,
@@ -358,24 +326,8 @@ class Engine:
         return self.kv.flush()
 
     def stats(self) -> dict[str, float]:
-        manager = self.kv.manager
-        running = self.scheduler.running
-        stats: dict[str, float] = {
-            "kv_total": manager.capacity,
-            "kv_free": manager.allocator.free_tokens,
-            "kv_used": sum(manager.owned_tokens(r) for r in running),
-            "kv_cached": manager.tree.cached_tokens,
-            # cached tokens locked by running requests (a subset of kv_cached)
-            "kv_protected": manager.tree.protected_tokens,
-            "running": len(running),
-            "waiting": len(self.scheduler.waiting),
-            "retractions_total": self.scheduler.num_retractions,
-            "mixed_steps_total": self.scheduler.num_mixed_steps,
-            "evicted_device_tokens_total": manager.tree.evicted_device_tokens,
-        }
-        stats.update(self.counters)
-        stats.update(self.kv.host_stats())
-        return stats
+        """KV use per tier, queue lengths and the totals since start (see EngineStats)."""
+        return self.reporter.snapshot()
 
     def health(self) -> dict[str, object]:
         return {

@@ -38,6 +38,22 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor:  # [T, q_heads * head_dim]
         ...
 
+    @staticmethod
+    def store_new_kv(
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> None:
+        """Write the new tokens' K/V of ``layer_id`` into their pool slots, first thing in
+        every backend's forward."""
+        # NOTE: host-tier loads copy into this layer's pool buffers: wait for them before
+        # writing or reading the layer.
+        for load in meta.kv_loads:
+            load.wait_layer(layer_id)
+        kv_pool.write(layer_id, meta.out_slots, k, v)
+
 
 class TorchAttentionBackend(AttentionBackend):
     """SDPA-based backend: one batched gather for decode, one SDPA per sequence for extend.
@@ -58,9 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
-        for load in meta.kv_loads:
-            load.wait_layer(layer_id)  # compute waits for this layer's host-tier copy
-        kv_pool.write(layer_id, meta.out_slots, k, v)
+        self.store_new_kv(k, v, layer_id, meta, kv_pool)
         if meta.is_decode:
             return self._decode(q, layer_id, meta, kv_pool)
         if meta.num_decodes == 0:

@@ -43,9 +43,7 @@ class WindowedAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:  # [T, q_heads * head_dim]
-        for load in meta.kv_loads:
-            load.wait_layer(layer_id)  # compute waits for this layer's host-tier copy
-        kv_pool.write(layer_id, meta.out_slots, k, v)
+        self.store_new_kv(k, v, layer_id, meta, kv_pool)
         num_tokens, q_heads, head_dim = q.shape
         kv_heads = kv_pool.kv_heads
         scale = self.scale if self.scale is not None else head_dim**-0.5

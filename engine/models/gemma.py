@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kvcache.device_pool import DeviceKVPool
@@ -26,6 +26,7 @@ from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, read_rope_params
 from engine.models.layer_attention import FULL, SLIDING, layer_backends, layer_types
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
+from engine.models.qwen3 import Qwen3Attention
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -38,24 +39,19 @@ class GemmaRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(LlamaAttention):
-    """Gemma attention with Gemma-style RMSNorms over each q and k head before RoPE."""
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's per-head q and k norms before RoPE, as Gemma-style RMSNorms."""
 
-    def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
-        super().__init__(hf_config, layer_id, attn_backend)
-        eps = float(hf_config.rms_norm_eps)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-
-    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
-        # [T, q_heads + kv_heads, head_dim]
-        q = self.q_norm.forward(qk[:, : self.q_heads])
-        k = self.k_norm.forward(qk[:, self.q_heads :])
-        return torch.cat((q, k), dim=1)
+    qk_norm_cls = GemmaRMSNorm
 
 
 class GemmaDecoderLayer(nn.Module):
-    """Sandwich-norm block: ``h + post_norm(attn(pre_norm(h)))``, then the same for the MLP."""
+    """Sandwich-norm block: ``h + post_norm(attn(pre_norm(h)))``, then the same for the MLP.
+
+    Called as LlamaDecoderLayer is: the residual stream ``h`` arrives as the previous
+    block's output plus ``residual``, and the MLP's normed output leaves unadded (the
+    next layer, or the final norm, adds it).
+    """
 
     def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -75,16 +71,18 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]: the residual stream
+        hidden: torch.Tensor,  # [T, hidden]: previous block's output (not yet added)
+        residual: torch.Tensor | None,  # [T, hidden]; None for the first layer
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
-    ) -> torch.Tensor:  # [T, hidden]
-        attn = self.self_attn.forward(self.input_layernorm.forward(hidden), cos, sin, meta, kv_pool)
-        hidden = hidden + self.post_attention_layernorm.forward(attn)
-        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
-        return hidden + self.post_feedforward_layernorm.forward(mlp)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = hidden if residual is None else hidden + residual  # [T, hidden]
+        attn = self.self_attn.forward(self.input_layernorm.forward(stream), cos, sin, meta, kv_pool)
+        stream = stream + self.post_attention_layernorm.forward(attn)
+        mlp = self.mlp.forward(self.pre_feedforward_layernorm.forward(stream))
+        return self.post_feedforward_layernorm.forward(mlp), stream
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -129,22 +127,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         scale = float(hf_config.query_pre_attn_scalar) ** -0.5
         return layer_backends(hf_config, self.attn_backend, softcap=softcap, scale=scale)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        meta: AttentionMetadata,
-        kv_pool: DeviceKVPool,
-    ) -> torch.Tensor:  # [T, hidden] after the final norm
-        hidden = F.embedding(input_ids, self.model.embed_tokens)  # [T, hidden]
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        cos_sin = {
-            kind: rotary.cos_sin(positions, hidden.dtype) for kind, rotary in self.rotaries.items()
-        }  # kind -> ([T, 1, head_dim], [T, 1, head_dim])
-        for kind, layer in zip(self.kinds, self.model.layers):
-            cos, sin = cos_sin[kind]
-            hidden = layer.forward(hidden, cos, sin, meta, kv_pool)
-        return self.model.norm.forward(hidden)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = super().embed(input_ids)  # [T, hidden]
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def layer_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        # kind -> ([T, 1, head_dim], [T, 1, head_dim]); each layer takes its kind's pair.
+        cos_sin = {kind: rotary.cos_sin(positions, dtype) for kind, rotary in self.rotaries.items()}
+        return [cos_sin[kind] for kind in self.kinds]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits, soft-capped when configured."""

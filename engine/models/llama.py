@@ -1,11 +1,13 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2, Mistral, Phi-3) over the paged KV pool.
 
 The other families (Qwen3, Gemma, the MoE models) subclass these classes and override the
-hooks: ``norm_qk`` (per-head q/k norms), ``make_mlp`` (experts), ``decoder_layer_cls``.
+hooks: ``norm_qk`` (per-head q/k norms), ``make_mlp`` (experts), ``decoder_layer_cls``,
+``embed`` and ``layer_cos_sin`` (Gemma's scaled embeddings and per-layer RoPE).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -198,17 +200,27 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
-        hidden = F.embedding(input_ids, self.model.embed_tokens)  # [T, hidden]
-        # cos/sin once per forward, shared by every layer. [T, 1, head_dim]
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        hidden = self.embed(input_ids)  # [T, hidden]
+        rope = self.layer_cos_sin(positions, hidden.dtype)
         residual: torch.Tensor | None = None
         # NOTE: submodules are called through .forward, not __call__: the hook machinery
         # costs microseconds per call, and a decode step makes ~300 such calls.
-        for layer in self.model.layers:
+        for layer, (cos, sin) in zip(self.model.layers, rope):
             hidden, residual = layer.forward(hidden, residual, cos, sin, meta, kv_pool)
         if residual is None:  # a model without layers
             return self.model.norm.forward(hidden)
         return self.model.norm.add_forward(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hook: ``[T]`` token ids -> ``[T, hidden]``, the first layer's input."""
+        return F.embedding(input_ids, self.model.embed_tokens)
+
+    def layer_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """Hook: RoPE ``(cos, sin)`` for each layer in turn, each ``[T, 1, head_dim]``;
+        computed once per forward and shared by every layer here."""
+        return itertools.repeat(self.rotary.cos_sin(positions, dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""

@@ -15,11 +15,13 @@ class Qwen3Attention(LlamaAttention):
     """LlamaAttention plus ``q_norm``/``k_norm`` (one ``[head_dim]`` weight each, shared by
     all heads)."""
 
+    qk_norm_cls: type[RMSNorm] = RMSNorm  # Gemma 3 reuses this class with its own norm
+
     def __init__(self, hf_config: Any, layer_id: int, attn_backend: AttentionBackend) -> None:
         super().__init__(hf_config, layer_id, attn_backend)
         eps = float(hf_config.rms_norm_eps)
-        self.q_norm = RMSNorm(self.head_dim, eps)
-        self.k_norm = RMSNorm(self.head_dim, eps)
+        self.q_norm = self.qk_norm_cls(self.head_dim, eps)
+        self.k_norm = self.qk_norm_cls(self.head_dim, eps)
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         # [T, q_heads + kv_heads, head_dim]: RMSNorm runs over head_dim, per head.

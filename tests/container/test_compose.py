@@ -1,65 +1,32 @@
-"""docker-compose.yml has the structure a MUSA host needs (no Docker engine here).
+"""docker-compose.yml has the structure a MUSA host needs (no Docker engine here): the
+MUSA and CPU servers, the load-test services, and .env.example.
 
 Values are checked after resolving ``${VAR:-default}`` to the defaults, i.e. what
 `docker compose up` uses without a .env file. Flag names and choices are checked
 against the server's own argument table and the engine's config, not against copies.
+The fleet, L3 and tensor-parallel services: test_compose_fleet.py.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from bench.__main__ import build_parser as bench_parser
 from engine.config import HICACHE_HOST_ALLOC, HICACHE_MEM_LAYOUTS, HICACHE_WRITE_POLICIES
-from server.args import FLAG_TABLE, parse_args
-
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = ROOT / "docker-compose.yml"
-ENV_EXAMPLE = ROOT / ".env.example"
-SERVERS = ("hiserve", "hiserve-cpu")
-# Read by docker/entrypoint.py, not by the server.
-ENTRYPOINT_VARS = {"HISERVE_PREFLIGHT", "HISERVE_PREFLIGHT_TIMEOUT", "HISERVE_MODEL_MOUNT"}
-VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
-
-
-def resolve(value: Any) -> Any:
-    """Interpolate like compose with no variables set: ${X:-d} -> d, ${X} -> ''."""
-    if isinstance(value, str):
-        return VAR_RE.sub(lambda m: m.group(2) or "", value).replace("$$", "$")
-    if isinstance(value, list):
-        return [resolve(v) for v in value]
-    if isinstance(value, dict):
-        return {k: resolve(v) for k, v in value.items()}
-    return value
-
-
-@pytest.fixture(scope="module")
-def raw() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())
-
-
-@pytest.fixture(scope="module")
-def services(raw: dict[str, Any]) -> dict[str, Any]:
-    return resolve(raw["services"])
-
-
-def compose_vars(raw: Any) -> set[str]:
-    """Every variable the compose file interpolates (in values, not comments)."""
-    if isinstance(raw, str):
-        return {m.group(1) for m in VAR_RE.finditer(raw)}
-    if isinstance(raw, list):
-        return set().union(*map(compose_vars, raw)) if raw else set()
-    if isinstance(raw, dict):
-        return set().union(*map(compose_vars, raw.values())) if raw else set()
-    return set()
+from server.args import FLAG_TABLE
+from tests.container.compose_file import (
+    COMPOSE,
+    ENTRYPOINT_VARS,
+    ENV_EXAMPLE,
+    ROOT,
+    SERVERS,
+    VAR_RE,
+    compose_vars,
+    resolve,
+)
 
 
 def test_services_and_profiles(services: dict[str, Any]) -> None:
@@ -212,193 +179,3 @@ def test_env_example_points_at_documents_that_exist() -> None:
         assert re.search(rf"^#+ {re.escape(heading)}$", readme, re.M), heading
     for path in re.findall(r"\b((?:docs|docker)/[\w./-]+\.\w+)", text):
         assert (ROOT / path).exists(), f".env.example refers to {path}, which does not exist"
-
-
-# --- Fleet: replicas behind the SGLang Model Gateway (profiles fleet / fleet-cpu) --------
-FLEETS = {
-    # profile: (router service, replica services)
-    "fleet": ("fleet-router", ("fleet-0", "fleet-1")),
-    "fleet-cpu": ("fleet-router-cpu", ("fleet-cpu-0", "fleet-cpu-1")),
-}
-ROUTER_PORT = "30000"
-
-
-def router_argv(svc: dict[str, Any], api_key: str) -> list[str]:
-    """The router's command line as its shell would build it, with HISERVE_API_KEY set to
-    ``api_key`` (compose defaults for everything else)."""
-    assert svc["entrypoint"] == ["/bin/sh", "-c"]
-    (script,) = svc["command"]
-    env = {**svc["environment"], "ROUTER_API_KEY": api_key}
-    script = re.sub(
-        r"\$\{ROUTER_API_KEY:\+([^}]*)\}", lambda m: m.group(1) if api_key else "", script
-    )
-    script = re.sub(r"\$([A-Z_]+)", lambda m: env[m.group(1)], script)
-    argv = shlex.split(script)
-    assert argv[:3] == ["exec", "smg", "launch"], argv[:3]
-    return argv[3:]
-
-
-def parse_router(argv: list[str]) -> Any:
-    """The real smg 1.13.0 command-line parser: an unknown or misspelled flag fails."""
-    from smg.launch_router import parse_router_args
-
-    return parse_router_args(argv)
-
-
-@pytest.mark.parametrize("profile", FLEETS)
-def test_fleet_profile_has_a_router_and_its_replicas(
-    services: dict[str, Any], profile: str
-) -> None:
-    router, replicas = FLEETS[profile]
-    in_profile = {name for name, svc in services.items() if profile in svc.get("profiles", [])}
-    assert in_profile == {router, *replicas}
-    # the router starts after every replica is healthy
-    assert services[router]["depends_on"] == {
-        name: {"condition": "service_healthy"} for name in replicas
-    }
-    # one published port for the whole fleet: the router's
-    for name in replicas:
-        assert "ports" not in services[name], f"{name} must not publish a port"
-    (published,) = services[router]["ports"]
-    assert str(published).endswith(f":{ROUTER_PORT}")
-
-
-@pytest.mark.parametrize("profile", FLEETS)
-def test_fleet_replicas_are_servers(services: dict[str, Any], profile: str) -> None:
-    _, replicas = FLEETS[profile]
-    caches = set()
-    for name in replicas:
-        svc = services[name]
-        env = svc["environment"]
-        assert env["HISERVE_HOST"] == "0.0.0.0" and env["HISERVE_PORT"] == "8000"
-        assert {k for k in env if k.startswith("HISERVE_")} - {
-            spec.env for spec in FLAG_TABLE
-        } - ENTRYPOINT_VARS == set()
-        assert svc["healthcheck"]["test"][:2] == ["CMD", "python"]
-        assert "/opt/hiserve/healthcheck.py" in svc["healthcheck"]["test"]
-        assert int(svc["healthcheck"]["start_period"].rstrip("s")) >= 300
-        mounts = {v.split(":")[1]: v for v in svc["volumes"]}
-        assert mounts["/models"].endswith(":ro")
-        caches.add(mounts["/var/cache/hiserve"].split(":")[0])
-    assert len(caches) == len(replicas), "each replica converts models into its own cache"
-    assert caches <= set(yaml.safe_load(COMPOSE.read_text())["volumes"])
-
-
-def test_musa_fleet_puts_each_replica_on_its_own_gpu(services: dict[str, Any]) -> None:
-    _, replicas = FLEETS["fleet"]
-    gpus = []
-    for name in replicas:
-        svc = services[name]
-        env = svc["environment"]
-        assert svc["runtime"] == "mthreads" and svc["ipc"] == "host"
-        assert svc["build"]["dockerfile"] == "Dockerfile.musa"
-        assert env["MTHREADS_DRIVER_CAPABILITIES"] == "compute,utility"
-        # one GPU visible, which the process then sees as musa:0
-        assert re.fullmatch(r"\d+", env["MTHREADS_VISIBLE_DEVICES"]), name
-        assert env["HISERVE_DEVICE"] == "musa:0"
-        gpus.append(env["MTHREADS_VISIBLE_DEVICES"])
-    assert len(set(gpus)) == len(gpus), f"replicas share a GPU: {gpus}"
-    for name in FLEETS["fleet-cpu"][1]:
-        svc = services[name]
-        assert "runtime" not in svc and svc["environment"]["HISERVE_DEVICE"] == "cpu"
-        assert not any(k.startswith("MTHREADS_") for k in svc["environment"])
-
-
-@pytest.mark.parametrize("profile", FLEETS)
-def test_router_command_is_valid_for_smg(services: dict[str, Any], profile: str) -> None:
-    router, replicas = FLEETS[profile]
-    svc = services[router]
-    args = parse_router(router_argv(svc, api_key="sk-test"))
-    ports = {name: services[name]["environment"]["HISERVE_PORT"] for name in replicas}
-    assert args.worker_urls == [f"http://{name}:{port}" for name, port in ports.items()]
-    assert args.policy == "cache_aware"
-    assert (args.host, str(args.port)) == ("0.0.0.0", ROUTER_PORT)
-    assert args.api_key == "sk-test"  # the same key the replicas get
-    assert services[replicas[0]]["environment"]["HISERVE_API_KEY"] == ""  # from the same var
-    assert args.disable_retries is True
-    assert 0 < args.cache_threshold <= 1 and args.balance_rel_threshold >= 1
-    # smg refuses an empty key: without HISERVE_API_KEY the flag is left out entirely
-    assert parse_router(router_argv(svc, api_key="")).api_key is None
-    check = " ".join(svc["healthcheck"]["test"])
-    assert f"127.0.0.1:{ROUTER_PORT}/readiness" in check
-
-
-def test_router_command_check_catches_a_misspelled_flag(services: dict[str, Any]) -> None:
-    argv = router_argv(services["fleet-router"], api_key="k")
-    broken = ["--polcy" if a == "--policy" else a for a in argv]
-    with pytest.raises(SystemExit):
-        parse_router(broken)
-
-
-def test_router_image_pins_the_tested_smg(services: dict[str, Any]) -> None:
-    pin = re.search(r'"smg==([^"]+)"', (ROOT / "pyproject.toml").read_text())
-    assert pin is not None
-    dockerfile = (ROOT / "docker" / "Dockerfile.router").read_text()
-    assert re.search(rf"^ARG SMG_VERSION={re.escape(pin.group(1))}$", dockerfile, re.M)
-    for router, _ in FLEETS.values():
-        svc = services[router]
-        assert svc["build"]["dockerfile"] == "docker/Dockerfile.router"
-        assert svc["image"].endswith(f":{pin.group(1)}")
-
-
-# --- L3: the shared file-backend volume and the Mooncake services -----------------------
-def _gflags(binary: str) -> set[str]:
-    """Flag names a Mooncake binary accepts, from its own --help."""
-    path = Path(sys.executable).parent / binary
-    done = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=60)
-    return set(re.findall(r"^\s+-(\w+) \(", done.stdout + done.stderr, re.M))
-
-
-def test_every_server_shares_the_l3_volume(services: dict[str, Any]) -> None:
-    servers = [n for n, svc in services.items() if "HISERVE_MODEL" in svc.get("environment", {})]
-    assert len(servers) >= 6, servers  # hiserve, hiserve-cpu and four fleet replicas
-    for name in servers:
-        svc = services[name]
-        where = svc["environment"]["HISERVE_HICACHE_STORAGE_DIR"]
-        assert f"hicache-l3:{where}" in svc["volumes"], name
-
-
-@pytest.mark.parametrize("name", ["mooncake-master", "mooncake-holder"])
-def test_mooncake_services_use_flags_their_binaries_know(
-    services: dict[str, Any], name: str
-) -> None:
-    binary, *args = services[name]["command"]
-    known = _gflags(binary)
-    assert known, f"{binary} --help listed no flags"
-    for arg in args:
-        flag = arg.lstrip("-").split("=", 1)[0]
-        assert flag in known, f"{name}: {binary} has no flag --{flag}"
-    # The servers are pointed at what these services listen on.
-    env = services["hiserve"]["environment"]
-    master_port = env["HISERVE_HICACHE_MOONCAKE_MASTER"].rpartition(":")[2]
-    metadata_port = env["HISERVE_HICACHE_MOONCAKE_METADATA_SERVER"].split(":")[2].split("/")[0]
-    master_args = services["mooncake-master"]["command"]
-    assert f"--rpc_port={master_port}" in master_args
-    assert f"--http_metadata_server_port={metadata_port}" in master_args
-
-
-def test_a_replica_can_take_several_gpus_with_tp(raw: dict[str, Any]) -> None:
-    # What an operator's .env does for a model split over two GPUs per replica.
-    chosen = {
-        "HISERVE_TENSOR_PARALLEL_SIZE": "2",
-        "MTHREADS_VISIBLE_DEVICES": "0,1",
-        "HISERVE_FLEET_GPU_0": "0,1",
-        "HISERVE_FLEET_GPU_1": "2,3",
-    }
-
-    def interpolate(value: Any) -> Any:
-        if isinstance(value, str):
-            return VAR_RE.sub(lambda m: chosen.get(m.group(1), m.group(2) or ""), value)
-        if isinstance(value, dict):
-            return {k: interpolate(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [interpolate(v) for v in value]
-        return value
-
-    services = interpolate(raw["services"])
-    for name in ("hiserve", *FLEETS["fleet"][1]):
-        env = {k: str(v) for k, v in services[name]["environment"].items()}
-        engine = parse_args([], environ=env).engine  # the server's own flag parsing
-        gpus = env["MTHREADS_VISIBLE_DEVICES"].split(",")
-        assert engine.tensor_parallel_size == len(gpus) == 2, name
-        assert engine.device == "musa:0"  # ranks on musa:0 and musa:1 of the visible GPUs

@@ -237,7 +237,7 @@ def test_kubernetes_and_compose_routers_are_tuned_alike(
     rendered: tuple[str, dict[tuple[str, str], Any]],
 ) -> None:
     """One set of tuned routing values, shipped as the default of both deployments."""
-    from tests.container.test_compose import parse_router, resolve, router_argv
+    from tests.container.compose_file import parse_router, resolve, router_argv
 
     _, docs = rendered
     compose = resolve(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
@@ -327,7 +327,7 @@ def test_l3_file_component_mounts_one_volume_in_every_replica(overlay: str, tmp_
 
 @pytest.mark.parametrize("overlay", L3_OVERLAYS)
 def test_l3_mooncake_component_points_replicas_at_its_store(overlay: str, tmp_path: Path) -> None:
-    from tests.container.test_compose import _gflags
+    from tests.container.compose_file import binary_flags
 
     docs = render_with(overlay, "l3-mooncake", tmp_path)
     config = server_config(docs)
@@ -350,7 +350,7 @@ def test_l3_mooncake_component_points_replicas_at_its_store(overlay: str, tmp_pa
     assert f"--metadata_server={config.hicache_mooncake_metadata_server}" in holder["command"]
     for pod in (master, holder):
         binary, *args = pod["command"]
-        known = _gflags(binary)
+        known = binary_flags(binary)
         assert known, f"{binary} --help listed no flags"
         for arg in args:
             assert arg.lstrip("-").split("=", 1)[0] in known, f"{binary} has no flag {arg}"

@@ -1,8 +1,11 @@
-"""Fixtures shared by the unit tests: fake accelerator backends."""
+"""Fixtures shared by the unit tests: fake accelerator backends, one torch thread."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 from tests.unit.fake_backends import FakeStreamBackend, install_fake_streams
 
@@ -11,3 +14,13 @@ from tests.unit.fake_backends import FakeStreamBackend, install_fake_streams
 def fake_musa(monkeypatch: pytest.MonkeyPatch) -> FakeStreamBackend:
     """torch.musa replaced by streams and events that complete when told to."""
     return install_fake_streams(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module: on a shared 2-core box, OpenMP's spinning barriers
+    next to a busy neighbour make two threads up to 10x slower than one."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -13,22 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, SamplingParams
 from engine.request import ReqStatus
 from engine.scheduler import MAX_TIMES_PASSED
+from tests.unit.cpu_engine import checked_engine
 
 BURST = 24
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 def _engine(model_dir: Path, **kw: object) -> Engine:
-    cfg: dict[str, object] = dict(
-        model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=4096
-    )
-    cfg.update(kw)
-    engine = Engine(EngineConfig(**cfg))  # type: ignore[arg-type]
-    engine.check_invariants = True
-    return engine
+    return checked_engine(model_dir, **{"kv_cache_tokens": 4096, **kw})
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

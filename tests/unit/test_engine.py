@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, SamplingParams
+from tests.unit.cpu_engine import checked_engine
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -41,10 +42,7 @@ def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[
 
 
 def engine_for(model_dir: Path, **kw) -> Engine:
-    cfg = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=4096)
-    cfg.update(kw)
-    eng = Engine(EngineConfig(**cfg))
-    eng.check_invariants = True
+    eng = checked_engine(model_dir, **{"kv_cache_tokens": 4096, **kw})
     return eng
 
 

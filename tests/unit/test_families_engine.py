@@ -9,34 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import transformers
 from transformers import Gemma2Config, MixtralConfig
 
 from engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import TOKENIZER_FILES
-from tests.unit.hf_reference import hf_greedy, randomize
+from tests.unit.hf_reference import hf_greedy, random_hf_model
+from tests.unit.model_configs import TOKENIZER_SIZED
 
 MAX_TOKENS = 6
-_COMMON: dict[str, Any] = dict(
-    vocab_size=49152,  # the default model's tokenizer
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=None,
-)
 CONFIGS = {
     # Windows of 16 against conversations of 40..100 tokens.
     "gemma2": lambda: Gemma2Config(
-        **_COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=16
+        **TOKENIZER_SIZED, head_dim=16, query_pre_attn_scalar=24, sliding_window=16
     ),
     "mixtral": lambda: MixtralConfig(
-        **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=16
+        **TOKENIZER_SIZED, num_local_experts=4, num_experts_per_tok=2, sliding_window=16
     ),
 }
 
@@ -48,15 +35,7 @@ def family(
     default_model_dir: Path,
 ) -> tuple[Any, Path]:
     config = CONFIGS[request.param]()
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager"
-    ).eval()
-    randomize(hf_model, seed=5)
-    if config.model_type == "gemma2":
-        with torch.no_grad():  # undo Gemma's sqrt(hidden) embedding scale (see test_model_families)
-            hf_model.model.embed_tokens.weight.div_(config.hidden_size**0.5)
-    hf_model.generation_config.eos_token_id = None
-    hf_model.generation_config.pad_token_id = 0
+    hf_model = random_hf_model(config, seed=5, attn_implementation="eager")
     path = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(path)
     for name in TOKENIZER_FILES:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, SamplingParams
+from tests.unit.cpu_engine import checked_engine
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -32,17 +33,7 @@ def multiturn(engine: Engine, clients: int = 5, rounds: int = 3, seed: int = 0):
 
 def engine_for(model_dir: Path, **kw) -> Engine:
     # Working set ~5 x 70 tokens, several times this device pool.
-    cfg = dict(
-        model=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        kv_cache_tokens=128,
-        hicache_load_threshold=4,
-    )
-    cfg.update(kw)
-    eng = Engine(EngineConfig(**cfg))
-    eng.check_invariants = True
-    return eng
+    return checked_engine(model_dir, **{"kv_cache_tokens": 128, "hicache_load_threshold": 4, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kvcache.storage.file_store import FileStore
+from tests.unit.cpu_engine import checked_engine
 from tests.unit.mooncake_cluster import Mooncake, mooncake_cluster
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -26,14 +27,7 @@ PAGE = 4
 
 
 def make_engine(model_dir: Path, store_dir: Path | None, **kw: object) -> Engine:
-    cfg: dict[str, object] = dict(
-        model=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        kv_cache_tokens=256,
-        page_size=PAGE,
-        hicache_load_threshold=PAGE,
-    )
+    cfg: dict[str, object] = dict(kv_cache_tokens=256, page_size=PAGE, hicache_load_threshold=PAGE)
     if store_dir is not None:
         cfg.update(
             enable_hierarchical_cache=True,
@@ -42,9 +36,7 @@ def make_engine(model_dir: Path, store_dir: Path | None, **kw: object) -> Engine
             hicache_storage_prefetch_threshold=8,
         )
     cfg.update(kw)
-    engine = Engine(EngineConfig(**cfg))  # type: ignore[arg-type]
-    engine.check_invariants = True
-    return engine
+    return checked_engine(model_dir, **cfg)
 
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +29,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.registry import get_model_class
 from tests.unit.model_driver import GreedyDriver
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    # On a shared 2-core box, OpenMP's spinning barriers next to a busy neighbour make
-    # two threads up to 10x slower than one; one thread keeps the runtime predictable.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    # The default cache, so runs reuse one conversion; correct on a fresh cache too.
-    return resolve_model_path("default")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _no_conversion(*args: Any, **kwargs: Any) -> None:

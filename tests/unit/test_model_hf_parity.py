@@ -8,7 +8,6 @@ exactly; logits must match HF to ``LOGIT_ATOL``/``LOGIT_RTOL`` (float32).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,32 +17,19 @@ import transformers
 from transformers import LlamaConfig, Qwen2Config
 
 from engine.layers.rotary import compute_inv_freq, read_rope_params
-from engine.loader import load_model, load_tokenizer, resolve_model_path
-from tests.unit.hf_reference import hf_greedy, randomize
+from engine.loader import load_model, load_tokenizer
+from tests.unit.hf_reference import assert_batched_greedy_matches_hf, hf_greedy, random_hf_model
+from tests.unit.model_configs import LOGIT_ATOL, LOGIT_RTOL, TINY, random_prompts
 from tests.unit.model_driver import GreedyDriver
 
-LOGIT_ATOL = 1e-4
-LOGIT_RTOL = 1e-4
 MAX_NEW_TOKENS = 10
 PROMPT_LENS = (3, 9, 17)
-
-_COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CASES: dict[str, Any] = {
-    "llama_gqa_untied": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False),
+    "llama_gqa_untied": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "llama_tied_llama3_headdim": lambda: LlamaConfig(
-        **_COMMON,
+        **TINY,
         tie_word_embeddings=True,
         head_dim=32,  # != hidden_size / heads = 16
         rope_parameters={
@@ -56,24 +42,14 @@ CASES: dict[str, Any] = {
         },
     ),
     "llama_linear_mqa_bias": lambda: LlamaConfig(
-        **{**_COMMON, "num_key_value_heads": 1},
+        **{**TINY, "num_key_value_heads": 1},
         tie_word_embeddings=False,
         attention_bias=True,
         mlp_bias=True,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     ),
-    "qwen2_qkv_bias_tied": lambda: Qwen2Config(**_COMMON, tie_word_embeddings=True),
+    "qwen2_qkv_bias_tied": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    # On a shared 2-core box, OpenMP's spinning barriers next to a busy neighbour make
-    # two threads up to 10x slower than one; one thread keeps the runtime predictable.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 # Every case runs with the pure-PyTorch reference and with the native CPU decode kernel.
@@ -89,28 +65,19 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """(name, HF model, engine model, prompts) for one tiny configuration and backend."""
     name, backend = request.param
     config = CASES[name]()
-    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    randomize(hf_model, seed=len(name))
+    hf_model = random_hf_model(config, seed=len(name))
     if config.tie_word_embeddings:
         assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
-    hf_model.generation_config.eos_token_id = None
-    hf_model.generation_config.pad_token_id = 0
     path = tmp_path_factory.mktemp(name)
     hf_model.save_pretrained(path)
     model = load_model(path, torch.device("cpu"), torch.float32, attention_backend=backend)
     assert model.attn_backend.name == backend
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    return name, hf_model, model, prompts
+    return name, hf_model, model, random_prompts(PROMPT_LENS)
 
 
 def test_batched_greedy_matches_hf(tiny: Any) -> None:
     _, hf_model, model, prompts = tiny
-    ours = GreedyDriver(model).generate(prompts, MAX_NEW_TOKENS)
-    for prompt, gen in zip(prompts, ours):
-        expected = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
-        assert len(set(expected)) > 2, "degenerate reference; the check would be weak"
-        assert gen.tokens == expected
+    assert_batched_greedy_matches_hf(hf_model, model, prompts, MAX_NEW_TOKENS)
 
 
 def test_chunked_prefill_matches_hf(tiny: Any) -> None:
@@ -172,19 +139,13 @@ def test_rope_frequencies_match_hf_both_config_layouts(case: str) -> None:
 
 
 def test_unsupported_rope_type_is_rejected() -> None:
-    config = LlamaConfig(**_COMMON)
+    config = LlamaConfig(**TINY)
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ValueError, match="yarn"):
         read_rope_params(config)
 
 
 # ---- the default model -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    # The default cache, so runs reuse one conversion; correct on a fresh cache too.
-    return resolve_model_path("default")
 
 
 @pytest.mark.slow

@@ -13,21 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, SamplingParams
 from engine.request import RequestOutput
 from engine.scheduler import common_prefix_len
+from tests.unit.cpu_engine import checked_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def _engine(model_dir: Path, **kw: object) -> Engine:
-    cfg: dict[str, object] = dict(
-        model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=2048
-    )
-    cfg.update(kw)
-    engine = Engine(EngineConfig(**cfg))  # type: ignore[arg-type]
-    engine.check_invariants = True
-    return engine
+    return checked_engine(model_dir, **{"kv_cache_tokens": 2048, **kw})
 
 
 def _prompt(length: int, seed: int) -> list[int]:

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from transformers import LlamaConfig
 
 from engine.layers.linear import ALL_SHARDS
@@ -19,17 +18,17 @@ from engine.layers.moe import SparseMoE
 from engine.layers.parallel_linear import RowParallelLinear, TPShard, kv_heads_of_rank
 from engine.loader import load_model
 from engine.models.tp_shard import CheckpointSlicer, shard_config
-from tests.unit.hf_reference import hf_greedy, randomize
+from tests.unit.hf_reference import hf_greedy, random_hf_model
+from tests.unit.model_configs import FAMILY_CASES, TINY, random_prompts
 from tests.unit.model_driver import GreedyDriver
-from tests.unit.test_model_families import _COMMON, CASES
 from tests.unit.tp_threads import run_ranks, thread_shards
 
 MAX_NEW_TOKENS = 6
 PROMPT_LENS = (3, 11, 21)
 TP_CASES = {
-    **CASES,
+    **FAMILY_CASES,
     # Row-parallel biases (o_proj, down_proj) must be added once, not once per rank.
-    "llama_bias": lambda: LlamaConfig(**_COMMON, attention_bias=True, mlp_bias=True),
+    "llama_bias": lambda: LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
 }
 # (case, ranks, attention backend); 4 ranks over 2 KV heads replicate each on 2 ranks.
 PARAMS = [(name, 2, "torch") for name in TP_CASES] + [
@@ -43,7 +42,7 @@ PARAMS = [(name, 2, "torch") for name in TP_CASES] + [
 
 
 def test_rank_config_holds_its_share() -> None:
-    config = LlamaConfig(**_COMMON)  # 4 heads, 2 KV heads, hidden 64, intermediate 128
+    config = LlamaConfig(**TINY)  # 4 heads, 2 KV heads, hidden 64, intermediate 128
     shard = shard_config(config, 2)
     assert (shard.num_attention_heads, shard.num_key_value_heads) == (2, 1)
     assert shard.intermediate_size == 64
@@ -55,7 +54,7 @@ def test_rank_config_holds_its_share() -> None:
 def test_fewer_kv_heads_than_ranks_replicates_them() -> None:
     assert [list(kv_heads_of_rank(2, r, 4)) for r in range(4)] == [[0], [0], [1], [1]]
     assert [list(kv_heads_of_rank(4, r, 2)) for r in range(2)] == [[0, 1], [2, 3]]
-    assert shard_config(LlamaConfig(**_COMMON), 4).num_key_value_heads == 1
+    assert shard_config(LlamaConfig(**TINY), 4).num_key_value_heads == 1
 
 
 @pytest.mark.parametrize(
@@ -92,11 +91,11 @@ def test_uneven_counts_are_rejected_naming_the_numbers(
     overrides: dict[str, int], size: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        shard_config(LlamaConfig(**{**_COMMON, **overrides}), size)
+        shard_config(LlamaConfig(**{**TINY, **overrides}), size)
 
 
 def test_slices_of_a_checkpoint() -> None:
-    config = LlamaConfig(**_COMMON)  # q rows 64, k/v rows 32 (2 heads of 16)
+    config = LlamaConfig(**TINY)  # q rows 64, k/v rows 32 (2 heads of 16)
     q = torch.arange(64 * 3).view(64, 3).float()
     k = 1000 + torch.arange(32 * 3).view(32, 3).float()
     v = 2000 + torch.arange(32 * 3).view(32, 3).float()
@@ -130,15 +129,7 @@ def sharded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """(HF model, full engine model, the ranks' models, their hub, prompts)."""
     name, size, backend = request.param
     config = TP_CASES[name]()
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager"
-    ).eval()
-    randomize(hf_model, seed=len(name))
-    if config.model_type.startswith("gemma"):  # see test_model_families
-        with torch.no_grad():
-            hf_model.model.embed_tokens.weight.div_(config.hidden_size**0.5)
-    hf_model.generation_config.eos_token_id = None
-    hf_model.generation_config.pad_token_id = 0
+    hf_model = random_hf_model(config, seed=len(name), attn_implementation="eager")
     path: Path = tmp_path_factory.mktemp(name)
     hf_model.save_pretrained(path, max_shard_size="100KB" if name.endswith("_sharded") else "5GB")
     full = load_model(path, torch.device("cpu"), torch.float32, attention_backend=backend)
@@ -147,9 +138,7 @@ def sharded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         load_model(path, torch.device("cpu"), torch.float32, attention_backend=backend, tp=s)
         for s in shards
     ]
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    return hf_model, full, ranks, shards[0].hub, prompts
+    return hf_model, full, ranks, shards[0].hub, random_prompts(PROMPT_LENS)
 
 
 def test_rank_models_hold_their_share(sharded: Any) -> None:
