@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             max_running_requests=64,
             enable_prefix_cache=False,
             attention_backend=args.attention_backend,
-            enable_mixed_batches=not args.disable_mixed_batches,
+            enable_mixed_batches=False if args.disable_mixed_batches else None,
             tensor_parallel_size=args.tp,
         )
     )

@@ -78,7 +78,9 @@ class SchedulerConfig(CacheConfig):
     schedule_policy: str = "fcfs"
     # One forward holds the running requests' decode tokens and new prefill chunks
     # together (SGLang's --enable-mixed-chunk); False: prefill and decode steps alternate.
-    enable_mixed_batches: bool = True
+    # None (auto): mixed unless decode steps replay device graphs, whose graphed decode
+    # step beats an eager mixed one (measured on an H200; see README "Mixed batches").
+    enable_mixed_batches: bool | None = None
     # Context length; None: the model config's max_position_embeddings.
     max_model_len: int | None = None
     max_stop_strings: int = 16

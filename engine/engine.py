@@ -119,6 +119,8 @@ class Engine:
         self.runner.graphs = build_decode_graphs(
             config, self.model, self.kv, self.device_spec, self.device
         )
+        if config.enable_mixed_batches is None:  # auto: graphed decode steps beat mixed ones
+            self.scheduler.mixed = self.runner.graphs is None
         self.grammars = EngineGrammars(
             self.tokenizer,
             self.vocab_size,
@@ -341,6 +343,7 @@ class Engine:
             "page_size": self.config.page_size,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "device_graphs": self.runner.graphs is not None,
+            "mixed_batches": self.scheduler.mixed,
             **self.kv.host_health(),
         }
 

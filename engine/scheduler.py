@@ -113,6 +113,9 @@ class Scheduler:
         new_token_ratio: float = 0.5,
     ) -> None:
         self.config = config
+        # Whether decodes and prefill chunks share a forward; the engine settles auto (None)
+        # once it knows whether decode steps replay device graphs.
+        self.mixed = config.enable_mixed_batches is not False
         self.kv = kv
         self.max_model_len = max_model_len
         self.new_token_ratio = new_token_ratio
@@ -211,7 +214,7 @@ class Scheduler:
         return batch
 
     def _pick_batch(self) -> ScheduledBatch | None:
-        if self.config.enable_mixed_batches:
+        if self.mixed:
             decodes = sum(1 for r in self.running if r.kv_len == r.seq_len - 1)
             # Decodes that fill the whole token budget would starve prefill: alternate.
             if decodes < self.config.max_prefill_tokens:

@@ -80,7 +80,7 @@ def _resolve(spec: FlagSpec) -> tuple[str, bool, Any]:
     if len(kinds) != 1 or kinds[0] not in ("str", "int", "float", "bool"):
         raise TypeError(f"EngineConfig.{f.name} has unsupported type {f.type!r}")
     default = f.default if f.default is not MISSING else None
-    if spec.invert:
+    if spec.invert and default is not None:  # None: auto, left to the engine
         default = not default
     return kinds[0], optional, default
 
@@ -178,7 +178,7 @@ def parse_args(
     for spec in FLAG_TABLE:
         if spec.field is not None:
             value = values[spec.dest]
-            engine_kwargs[spec.field] = (not value) if spec.invert else value
+            engine_kwargs[spec.field] = (not value) if spec.invert and value is not None else value
     try:
         engine = EngineConfig(**engine_kwargs)
     except ValueError as exc:

@@ -145,7 +145,8 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec(
         "disable-mixed-batches",
         "alternate prefill and decode steps instead of running decode tokens and prefill "
-        "chunks in one forward (on by default, like SGLang's --enable-mixed-chunk)",
+        "chunks in one forward (SGLang's --enable-mixed-chunk); unset: mixed unless decode "
+        "replays device graphs; --no-disable-mixed-batches: mixed always",
         "enable_mixed_batches",
         invert=True,
     ),
