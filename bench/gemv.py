@@ -1,6 +1,7 @@
 """The native GEMV kernel against oneDNN's packed GEMM and ``F.linear``, per layer shape.
 
     python -m bench.gemv [--model default] [--tokens 1 2 4 8] [--rounds 7] [--threads N]
+                         [--working-set-mib 256]
 
 For each linear shape of the model (q/k/v, o, gate/up, down, the LM head) and each token
 count: microseconds per call and GB/s of weights read for the kernel, oneDNN packed and
@@ -8,8 +9,9 @@ count: microseconds per call and GB/s of weights read for the kernel, oneDNN pac
 and median of the rounds; then the kernel's share of the read bandwidth measured in the
 same run, and the sum over one decode forward (layers x shapes + LM head).
 
-Each call reads a different copy of the weight, cycling over enough copies that they
-cannot sit in the L3 cache, as a decode step reads each layer's weights once.
+Each call reads a different copy of the weight, cycling over enough copies (at least
+``--working-set-mib`` of them) that they cannot sit in the L3 cache, as a decode step
+reads each layer's weights once; the read bandwidth streams twice that.
 """
 
 from __future__ import annotations
@@ -28,9 +30,6 @@ from engine.layers import gemv_cpu
 from engine.layers.linear import _PACK_BATCH_HINT
 from engine.loader import load_hf_config, resolve_model_path
 from engine.models.llama import head_dim_of
-
-# The weights one variant cycles over: several times a 32 MiB L3.
-_WORKING_SET = 256 * 2**20
 
 
 class Shape(NamedTuple):
@@ -66,11 +65,12 @@ def _cycling(calls: list[Callable[[], object]]) -> Callable[[], object]:
 
 
 def measure_shape(
-    shape: Shape, tokens: int, kernel: Any, rounds: int
+    shape: Shape, tokens: int, kernel: Any, rounds: int, working_set: int = 256 * 2**20
 ) -> dict[str, tuple[float, float]]:
-    """Seconds per call, (best, median) over ``rounds``, for gemv, onednn and f_linear."""
+    """Seconds per call, (best, median) over ``rounds``, for gemv, onednn and f_linear;
+    each cycles over ``working_set`` bytes of weights (default: 8x a 32 MiB L3)."""
     nbytes = shape.out_features * shape.in_features * 4
-    copies = max(2, -(-_WORKING_SET // nbytes))
+    copies = max(2, -(-working_set // nbytes))
     weights = [torch.randn(shape.out_features, shape.in_features) for _ in range(copies)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT) for w in weights]
     x = torch.randn(tokens, shape.in_features)
@@ -89,7 +89,8 @@ def measure_shape(
         "onednn": _cycling([onednn(p) for p in packed]),
         "f_linear": _cycling([f_linear(w) for w in weights]),
     }
-    calls = copies * max(1, 64 * 2**20 // (copies * nbytes))  # >= one pass, ~64 MiB read
+    # At least one pass over the copies, and ~64 MiB read per round.
+    calls = copies * max(1, min(64 * 2**20, 4 * working_set) // (copies * nbytes))
     times: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():
         fn()
@@ -108,14 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--working-set-mib", type=int, default=256, help="weights each variant cycles over"
+    )
     args = parser.parse_args(argv)
+    working_set = args.working_set_mib * 2**20
     if args.threads:
         torch.set_num_threads(args.threads)
     kernel = gemv_cpu.gemv_kernel()
     if kernel is None:
         raise SystemExit(f"the GEMV kernel cannot be built here: {gemv_cpu.build_error()}")
     shapes = model_shapes(load_hf_config(resolve_model_path(args.model)))
-    read = read_bandwidth()
+    read = read_bandwidth(megabytes=2 * args.working_set_mib)
     print(
         f"{args.model}, {torch.get_num_threads()} threads; read bandwidth {read.best / 1e9:.1f} "
         f"GB/s (median {read.median / 1e9:.1f}); per call: us (GB/s of weights), best of "
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         for tokens in args.tokens:
             forward = dict.fromkeys(("gemv", "onednn", "f_linear"), 0.0)
             for shape in shapes:
-                got = measure_shape(shape, tokens, kernel, args.rounds)
+                got = measure_shape(shape, tokens, kernel, args.rounds, working_set)
                 nbytes = shape.out_features * shape.in_features * 4
                 cells = []
                 for name, (best, median) in got.items():
