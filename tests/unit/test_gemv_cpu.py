@@ -81,6 +81,15 @@ def test_empty_batches_and_bad_arguments(kernel: Any) -> None:
             kernel.gemv(torch.randn(2, 16).to(dtype), w.to(dtype), None)
 
 
+def test_avx512_flags_only_for_the_kernel_that_asks_and_a_cpu_that_has_it() -> None:
+    from engine.layers import cpu_kernels
+
+    has_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert ("-mavx512f" in cpu_kernels._cflags(avx512=True)) == has_avx512
+    assert "-mavx512f" not in cpu_kernels._cflags(avx512=False)
+    assert gemv_cpu._GEMV.avx512
+
+
 def test_layer_uses_it_up_to_its_threshold_only(kernel: Any) -> None:
     gen = torch.Generator().manual_seed(3)
     layer = FusedLinear(40, [24, 9], bias=True)
