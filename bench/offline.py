@@ -17,7 +17,9 @@ And the single-stream weight-bandwidth floor: one decode step of one stream read
 weight once (linear layers, the LM head, norms), so ``copy bandwidth / model bytes`` bounds
 its tokens/s, with the bandwidth of a large tensor copy measured in the same run. Goals
 (issue 13): the batch at >= 80% of its matmul floor, one stream at >= 85% of its
-bandwidth floor.
+bandwidth floor. Since a decode step only reads its weights, the same floor against a
+large read-only stream is printed too, with the single stream's share of it; both
+bandwidths are the best of several passes, the median beside them (see bench.bandwidth).
 
 ``--tp N`` splits the model over N ranks (processes; on the CPU they share its cores, so
 this checks tensor parallelism end to end rather than speeding anything up). The matmul
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from bench.bandwidth import copy_bandwidth, read_bandwidth
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ATTENTION_BACKENDS
 from engine.layers.linear import FusedLinear
@@ -137,20 +140,6 @@ def weight_bytes_per_token(model: Any) -> int:
         embed = model.model.embed_tokens
         total += embed.numel() * embed.element_size()
     return total
-
-
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy, counted as bytes read plus bytes written (as
-    STREAM's copy does); best of ``repeats``. Far larger than any CPU cache."""
-    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / best
 
 
 def run_hf(model: Any, prompts: list[list[int]], out_lens: list[int], pad_id: int) -> float:
@@ -293,12 +282,18 @@ def _measure(engine: Engine, args: argparse.Namespace) -> None:
     print(f"engine  single stream:   {engine_single:8.1f} output tok/s")
     if bound is not None:
         model_bytes = weight_bytes_per_token(engine.model)
-        bandwidth = copy_bandwidth()
-        single_bound = bandwidth / model_bytes
+        copy, read = copy_bandwidth(), read_bandwidth()
+        single_bound, read_bound = copy.best / model_bytes, read.best / model_bytes
         print(
             f"bandwidth floor of one stream: {model_bytes / 1e6:.1f} MB of weights per token, "
-            f"large-copy bandwidth {bandwidth / 1e9:.2f} GB/s = {single_bound:.1f} output "
-            f"tok/s at most"
+            f"large-copy bandwidth {copy.best / 1e9:.2f} GB/s (median {copy.median / 1e9:.2f})"
+            f" = {single_bound:.1f} output tok/s at most"
+        )
+        # A decode step only reads its weights: the read-only stream is its real ceiling.
+        print(
+            f"read-only floor of one stream: read bandwidth {read.best / 1e9:.2f} GB/s (median "
+            f"{read.median / 1e9:.2f}) = {read_bound:.1f} output tok/s at most; single stream "
+            f"at {100 * engine_single / read_bound:.0f}% of it"
         )
         print(
             f"goals   batch {100 * engine_batch / bound:.0f}% of the matmul floor (goal >= "

@@ -24,6 +24,7 @@ from torch import nn
 
 from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
+from engine.layers.gemv_cpu import use_cpu_gemv
 from engine.layers.parallel_linear import TPShard
 from engine.models.registry import get_model_class
 from engine.models.weights import load_named_weights
@@ -327,6 +328,9 @@ def load_model(
         load_named_weights(model, iter_safetensors(path), model.map_name, slicer)
     else:
         model.load_weights(iter_safetensors(path))
+    # Decode-size matmuls in the native GEMV kernel on float32 CPU models (HISERVE_CPU_GEMV=0:
+    # off); before packing, so the dense weights it reads are kept.
+    use_cpu_gemv(model)
     if (
         device.type == "cpu"
         and os.environ.get("HISERVE_CPU_ONEDNN", "1") != "0"

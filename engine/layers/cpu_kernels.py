@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 STALE_LOCK_SECONDS = 600.0
 
 
-def _cflags() -> list[str]:
+def _cflags(avx512: bool = False) -> list[str]:
     # -fopenmp: at::parallel_for is a header template that runs its OpenMP loop in this
     # module's own code; without the flag it silently runs on one thread. The loader
     # resolves libgomp.so.1 to the copy torch has already loaded, so there is one runtime.
@@ -34,6 +34,9 @@ def _cflags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
+    # Only for a source written for it (``avx512=True``): the others keep their AVX2 build.
+    if avx512 and capability == "AVX512":
+        flags += ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]
     return flags
 
 
@@ -58,13 +61,20 @@ class NativeExtension:
     cached across processes), or the reason it could not be."""
 
     def __init__(
-        self, source: str, prefix: str, what: str, fallback: str, log: logging.Logger
+        self,
+        source: str,
+        prefix: str,
+        what: str,
+        fallback: str,
+        log: logging.Logger,
+        avx512: bool = False,
     ) -> None:
         self.source = Path(__file__).parent / "csrc" / source
         self.prefix = prefix  # extension name before the digest
         self.what = what  # for the log lines: "native CPU attention kernel"
         self.fallback = fallback  # what runs instead, said when the build fails
         self.log = log
+        self.avx512 = avx512  # AVX-512 code paths, where torch found AVX-512 on this CPU
         self.module: Any | None = None
         self.error: str | None = None
         self._lock = threading.Lock()
@@ -74,7 +84,7 @@ class NativeExtension:
         with self._lock:
             if self.module is not None or self.error is not None:
                 return self.module
-            flags = _cflags()
+            flags = _cflags(self.avx512)
             # The name carries the source and flags: a changed kernel is never served stale.
             digest = hashlib.sha256(self.source.read_bytes() + " ".join(flags).encode())
             name = f"{self.prefix}_{digest.hexdigest()[:12]}"

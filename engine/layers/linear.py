@@ -54,9 +54,16 @@ class FusedLinear(nn.Module):
         )
         # oneDNN-packed copy of `weight` (CPU only); see pack_for_cpu.
         self._packed: torch.Tensor | None = None
+        # The native small-M kernel ``gemv(x, weight, bias)`` and the most rows it takes;
+        # set by gemv_cpu.use_cpu_gemv on float32 CPU models, None everywhere else.
+        self.gemv: Callable[..., torch.Tensor] | None = None
+        self.gemv_max_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens:
+            # Decode: a few tokens against the whole weight, bound by reading it once.
+            return self.gemv(x, self.weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -98,9 +105,10 @@ class FusedLinear(nn.Module):
     def pack_for_cpu(self) -> bool:
         """Replace the weight by a oneDNN-packed copy (faster GEMV/GEMM on CPU).
 
-        NOTE: afterwards ``weight`` is an empty placeholder; the packed tensor is the only
-        copy. Call this after loading, never before ``load_shard``. Returns False (and
-        changes nothing) where oneDNN cannot take this weight.
+        NOTE: afterwards ``weight`` is an empty placeholder and the packed tensor the only
+        copy, unless the GEMV kernel uses this layer (``self.gemv``): it reads the dense
+        weight, which then stays. Call this after loading, never before ``load_shard``.
+        Returns False (and changes nothing) where oneDNN cannot take this weight.
         """
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
@@ -119,13 +127,14 @@ class FusedLinear(nn.Module):
             logger.info("oneDNN linear unavailable, using F.linear: %s", exc)
             return False
         self._packed = packed
-        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        if self.gemv is None:
+            self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         return True
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, "
-            f"packed={self._packed is not None}"
+            f"packed={self._packed is not None}, gemv_max_tokens={self.gemv_max_tokens}"
         )
 
 

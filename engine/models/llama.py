@@ -250,6 +250,14 @@ class LlamaForCausalLM(nn.Module):
                 return f"model.layers.{layer}.{module}.{kind}", shard
         return name, 0
 
+    def tied_head(self) -> FusedLinear:
+        """A tied model's LM head as a layer over the embedding table (shared, not copied),
+        for the CPU fast paths (oneDNN packing, the GEMV kernel) to take over."""
+        embed = self.model.embed_tokens
+        head = FusedLinear(embed.shape[1], [embed.shape[0]])
+        head.weight = nn.Parameter(embed.detach(), requires_grad=False)
+        return head
+
     def pack_for_cpu(self) -> int:
         """Switch every linear layer to oneDNN-packed weights (CPU only); returns how many.
 
@@ -257,9 +265,7 @@ class LlamaForCausalLM(nn.Module):
         its lm_head (the lookup still needs the dense table).
         """
         if self.lm_head is None:
-            embed = self.model.embed_tokens
-            head = FusedLinear(embed.shape[1], [embed.shape[0]])
-            head.weight = nn.Parameter(embed.detach(), requires_grad=False)
+            head = self.tied_head()
             if head.pack_for_cpu():
                 self.lm_head = head
         return sum(int(m.pack_for_cpu()) for m in self.modules() if isinstance(m, FusedLinear))

@@ -32,9 +32,12 @@ def test_weight_bytes_per_token_counts_every_weight_a_decode_step_reads(
         assert offline.weight_bytes_per_token(model) == expected
 
 
-def test_copy_bandwidth_is_a_plausible_rate() -> None:
-    rate = offline.copy_bandwidth(megabytes=8, repeats=2)
-    assert 1e8 < rate < 1e13  # bytes/s: between 100 MB/s and 10 TB/s
+def test_bandwidths_are_plausible_rates() -> None:
+    from bench.bandwidth import copy_bandwidth, read_bandwidth
+
+    for rate in (copy_bandwidth(megabytes=8, repeats=3), read_bandwidth(megabytes=8, repeats=3)):
+        assert 1e8 < rate.best < 1e13  # bytes/s: between 100 MB/s and 10 TB/s
+        assert rate.median <= rate.best
 
 
 def test_bench_prints_both_floors_and_the_goals(
@@ -57,6 +60,7 @@ def test_bench_prints_both_floors_and_the_goals(
     out = capsys.readouterr().out
     assert "matmul floor of that run" in out
     assert "bandwidth floor of one stream" in out
+    assert "read-only floor of one stream" in out and "single stream at" in out
     assert "% of the matmul floor (goal >= 80%)" in out
     assert "% of the bandwidth floor (goal >= 85%)" in out
 
@@ -71,3 +75,19 @@ def test_fused_kernel_bench_runs_on_a_model(
     assert len(lines) == 3 and "2 layers, heads 4/2x16" in lines[0]
     assert lines[1].strip().startswith("1 tokens: add+rms_norm")
     assert lines[2].strip().startswith("3 tokens:") and "per forward" in lines[2]
+
+
+def test_gemv_bench_runs_on_a_model(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import gemv
+
+    argv = ["--tokens", "1", "3", "--rounds", "1", "--working-set-mib", "1"]
+    gemv.main(["--model", str(tiny_llama_dir), *argv])
+    lines = capsys.readouterr().out.splitlines()
+    assert "read bandwidth" in lines[0]
+    # Five shapes per token count, then the sum over one forward.
+    assert len(lines) == 1 + 2 * 6
+    assert lines[1].startswith("M=1 qkv") and "gemv" in lines[1] and "onednn" in lines[1]
+    assert lines[6].startswith("M=1 one forward: gemv")
+    assert lines[12].startswith("M=3 one forward")
