@@ -34,6 +34,11 @@ def _cflags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
+    if capability == "AVX512":
+        # torch reports AVX512 only where avx512f/bw/vl/dq all exist; 512-bit vectors
+        # preferred, or GCC's generic tuning keeps loops at 256 bits.
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        flags += ["-mprefer-vector-width=512"]
     return flags
 
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -24,13 +25,18 @@ void check_input(const torch::Tensor& t, const char* name, torch::ScalarType dty
 
 }  // namespace
 
-// q [B, Hq, D] float32; k_cache, v_cache [S, Hkv, D] float32; table [R, C] int32;
+// q [B, Hq, D] float32 (heads and dims contiguous; rows may be strided, as in a view of
+// the fused q/k/v projection); k_cache, v_cache [S, Hkv, D] float32; table [R, C] int32;
 // rows [B] int64 (table row of each sequence); lens [B] int64 (context length, >= 1).
 // Returns [B, Hq, D] float32: softmax(q . K^T * scale) . V per query head.
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& table,
                            const torch::Tensor& rows, const torch::Tensor& lens, double scale) {
-  check_input(q, "q", torch::kFloat32, 3);
+  TORCH_CHECK(q.device().is_cpu(), "q must be a CPU tensor");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q has the wrong dtype: ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3, "q must have 3 dimensions, got ", q.dim());
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must have contiguous heads and dims (any row stride)");
   check_input(k_cache, "k_cache", torch::kFloat32, 3);
   check_input(v_cache, "v_cache", torch::kFloat32, 3);
   check_input(table, "table", torch::kInt32, 2);
@@ -57,7 +63,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
     TORCH_CHECK(row_data[b] >= 0 && row_data[b] < table.size(0), "sequence ", b,
                 " has a request-table row out of range");
   }
-  auto out = torch::empty_like(q);
+  const int64_t q_row_stride = q.stride(0);
+  auto out = torch::empty({batch, q_heads, dim}, q.options());
   float* out_data = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -74,7 +81,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t j = 0; j < len; ++j) {
         TORCH_CHECK(slots[j] >= 0 && slots[j] < num_slots, "KV slot ", slots[j], " out of range");
       }
-      const float* q_seq = q_data + b * q_heads * dim;
+      const float* q_seq = q_data + b * q_row_stride;
       scores.resize(static_cast<size_t>(q_heads * len));
       std::fill(peak.begin(), peak.end(), neg_inf);
       const int64_t row_size = kv_heads * dim;  // one token's K (or V): every head
@@ -125,6 +132,49 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
+// k, v [T, Hkv, D] float32 (heads and dims contiguous, rows may be strided: views of the
+// fused projection); k_cache, v_cache [S, Hkv, D] contiguous; slots [T] int64. Writes
+// k[t] to k_cache[slots[t]] and v[t] to v_cache[slots[t]]: the pool write of one layer
+// as one call instead of two index_put_.
+void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+              const torch::Tensor& k, const torch::Tensor& v) {
+  check_input(k_cache, "k_cache", torch::kFloat32, 3);
+  check_input(v_cache, "v_cache", torch::kFloat32, 3);
+  check_input(slots, "slots", torch::kInt64, 1);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  const int64_t tokens = slots.size(0), num_slots = k_cache.size(0);
+  const int64_t row_size = k_cache.size(1) * k_cache.size(2);
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->dim() == 3,
+                "k and v must be float32 CPU tensors [T, Hkv, D]");
+    TORCH_CHECK(t->size(0) == tokens && t->size(1) == k_cache.size(1) &&
+                    t->size(2) == k_cache.size(2),
+                "k and v must be [T, Hkv, D] matching slots and the cache");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "k and v must have contiguous heads and dims (any row stride)");
+  }
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot_data[t] >= 0 && slot_data[t] < num_slots, "KV slot ", slot_data[t],
+                " out of range [0, ", num_slots, ")");
+  }
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  const auto bytes = static_cast<size_t>(row_size) * sizeof(float);
+  // Rows are a few hundred bytes: threads would cost more than the copy, except for a
+  // long prefill.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_size));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot_data[t] * row_size, k_data + t * k_stride, bytes);
+      std::memcpy(vc + slot_data[t] * row_size, v_data + t * v_stride, bytes);
+    }
+  });
+}
+
 // How many intra-op threads took part in a parallel_for over ``items`` work items: a
 // build without OpenMP would silently run every kernel on one thread.
 int64_t parallel_threads(int64_t items) {
@@ -138,5 +188,6 @@ int64_t parallel_threads(int64_t items) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Decode attention over a paged KV pool (CPU, float32)");
+  m.def("store_kv", &store_kv, "Write one layer's new K/V rows to their pool slots (CPU)");
   m.def("parallel_threads", &parallel_threads, "Threads used by a parallel_for (a self-check)");
 }
