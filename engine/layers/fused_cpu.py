@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +45,15 @@ def fused_kernels() -> Any | None:
 def build_error() -> str | None:
     """Why the kernels could not be built (None if they were, or were never tried)."""
     return _FUSED.error
+
+
+def cpu_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The greedy sampler's argmax (``[B, V]`` float32 -> ``[B]`` int64) for CPU logits,
+    or None where the kernels cannot be built or are turned off."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    kernels = fused_kernels()
+    return None if kernels is None else kernels.argmax_rows
 
 
 def use_fused_cpu_kernels(model: nn.Module) -> int:

@@ -118,6 +118,34 @@ def test_only_silu_mlps_get_the_fused_swiglu(kernels: Any) -> None:
     assert model[1].act_mul is None  # GeGLU keeps PyTorch
 
 
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (1, 49152), (3, 17), (32, 49152), (5, 1000)])
+def test_argmax_rows_matches_torch(kernels: Any, rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows * vocab)
+    wide = torch.randn(rows, vocab + 3, generator=gen)
+    logits = wide[:, :vocab]  # row-strided, as the sampler's [:, :vocab_size] view
+    got = kernels.argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_infinities_and_nans_as_torch(kernels: Any) -> None:
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(2))
+    logits[0, [7, 40, 99]] = 50.0  # ties: the first one wins
+    logits[1] = float("-inf")  # a fully masked row
+    logits[2, 60] = float("inf")
+    logits[3, [33, 80]] = float("nan")  # torch: the first NaN
+    logits[4, 97] = 9.0  # the maximum in the scalar tail after the last full vector
+    logits[5, 0] = float("nan")
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    assert kernels.argmax_rows(logits).tolist()[:4] == [7, 0, 60, 33]
+
+
+def test_argmax_switch_off_keeps_torch(monkeypatch: pytest.MonkeyPatch, kernels: Any) -> None:
+    assert fused_cpu.cpu_argmax() is kernels.argmax_rows
+    monkeypatch.setenv(fused_cpu.ENV_SWITCH, "0")
+    assert fused_cpu.cpu_argmax() is None
+
+
 def test_kernels_refuse_other_dtypes_with_a_clear_error(kernels: Any) -> None:
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         x = torch.randn(2, 8).to(dtype)
@@ -127,6 +155,8 @@ def test_kernels_refuse_other_dtypes_with_a_clear_error(kernels: Any) -> None:
             kernels.rotary(x.view(2, 1, 8), x, x)
         with pytest.raises(RuntimeError, match="must be float32"):
             kernels.silu_mul(x)
+        with pytest.raises(RuntimeError, match="must be float32"):
+            kernels.argmax_rows(x)
     with pytest.raises(RuntimeError, match="even number of columns"):
         kernels.silu_mul(torch.randn(2, 7))
 
