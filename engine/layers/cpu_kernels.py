@@ -80,8 +80,10 @@ class NativeExtension:
             if self.module is not None or self.error is not None:
                 return self.module
             flags = _cflags()
-            # The name carries the source and flags: a changed kernel is never served stale.
-            digest = hashlib.sha256(self.source.read_bytes() + " ".join(flags).encode())
+            # The name carries the source, the headers beside it and the flags: a changed
+            # kernel is never served stale.
+            headers = b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
+            digest = hashlib.sha256(self.source.read_bytes() + headers + " ".join(flags).encode())
             name = f"{self.prefix}_{digest.hexdigest()[:12]}"
             try:
                 from torch.utils import cpp_extension

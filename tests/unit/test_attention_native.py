@@ -23,10 +23,10 @@ def kernel():
     return module
 
 
-def decode_case(kv_heads: int, group: int, lens: list[int], seed: int = 0):
+def decode_case(kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 16):
     """A pool with scattered slots per sequence, its request table, and metadata."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim, layers = 16, 2
+    layers = 2
     pool = DeviceKVPool(layers, 400, kv_heads, head_dim, torch.float32, "cpu")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen))
     table = torch.zeros(8, 128, dtype=torch.int32)
@@ -57,6 +57,22 @@ def decode_case(kv_heads: int, group: int, lens: list[int], seed: int = 0):
 @pytest.mark.parametrize("lens", [[1], [5, 1, 17], [64, 3, 40, 9, 33]])
 def test_decode_matches_torch_backend(kernel, kv_heads: int, group: int, lens: list[int]) -> None:
     pool, meta, q = decode_case(kv_heads, group, lens)
+    native = CpuNativeAttentionBackend(kernel)
+    for layer in range(pool.num_layers):
+        want = TorchAttentionBackend()._decode(q, layer, meta, pool)
+        got = native._decode(q, layer, meta, pool)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+# 64 and 128 take the AVX-512 path (where the CPU has it); lengths around its 16-wide tail.
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize(("kv_heads", "group"), [(3, 3), (1, 1), (2, 4)])
+def test_decode_matches_torch_backend_at_model_head_dims(
+    kernel, head_dim: int, kv_heads: int, group: int
+) -> None:
+    lens = [1, 15, 16, 17, 33, 120]
+    pool, meta, q = decode_case(kv_heads, group, lens, seed=head_dim, head_dim=head_dim)
+    q = 3 * q  # peakier softmax
     native = CpuNativeAttentionBackend(kernel)
     for layer in range(pool.num_layers):
         want = TorchAttentionBackend()._decode(q, layer, meta, pool)

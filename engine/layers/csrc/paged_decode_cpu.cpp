@@ -4,7 +4,10 @@
 // slots. The pure-PyTorch backend has to gather every sequence's K/V into a padded dense
 // tensor before SDPA (writing and re-reading all of it, every layer, every step); this
 // kernel reads each cached row once, where it lies. Work items are sequences; each K/V
-// row (all KV heads of one token, contiguous) is read once for all query heads.
+// row (all KV heads of one token, contiguous) is read once for all query heads. Head dims
+// 64 and 128 take an AVX-512 path where the build has it (vector dot products, a
+// vectorized exp for the softmax): at 32 sequences of 20-200 tokens it measured 2.5-4x
+// faster with the KV in cache and 1.1-1.3x from DRAM, where reading the rows dominates.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,6 +17,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 void check_input(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int64_t dim) {
@@ -22,6 +27,96 @@ void check_input(const torch::Tensor& t, const char* name, torch::ScalarType dty
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
+
+#if defined(__AVX512F__)
+struct SeqView {
+  const int32_t* slots;  // [len] KV slot of each token
+  int64_t len;
+  int64_t row_size;  // floats per K (or V) row: every KV head of one token
+  int64_t dim;
+  int64_t group;
+  float scale;
+};
+
+// One sequence, all query heads, head_dim = 16 * kChunks, AVX-512. Each K row (every KV
+// head of one token) is read once, in slot order, for all query heads: scores go to
+// scores [q_heads, len]; softmax per head in place (vectorized exp); then each V row is
+// read once and added, weighted, into out [q_heads, dim] (which stays in L1).
+template <int kChunks>
+void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, const float* v_data,
+                float* scores, float* out) {
+  constexpr int64_t kAhead = 4;  // rows prefetched ahead: slots may be scattered
+  const int64_t len = seq.len, dim = seq.dim, group = seq.group;
+  const int64_t kv_heads = seq.row_size / dim, q_heads = kv_heads * group;
+  const __m512 scale = _mm512_set1_ps(seq.scale);
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) {
+      const auto* next =
+          reinterpret_cast<const char*>(k_data + seq.slots[j + kAhead] * seq.row_size);
+      for (int64_t off = 0; off < seq.row_size * 4; off += 64) {
+        _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+    }
+    const float* key_row = k_data + seq.slots[j] * seq.row_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 key[kChunks];
+      for (int c = 0; c < kChunks; ++c) key[c] = _mm512_loadu_ps(key_row + h * dim + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qh = h * group + g;
+        const float* query = q_seq + qh * dim;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), key[0]);
+        for (int c = 1; c < kChunks; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), key[c], acc);
+        }
+        scores[qh * len + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc, scale));
+      }
+    }
+  }
+  // Softmax of each head's row over [0, len): max, exp and sum 16 at a time, tail masked.
+  float inv[64];  // q_heads <= 64 (checked by the caller)
+  for (int64_t qh = 0; qh < q_heads; ++qh) {
+    float* row = scores + qh * len;
+    __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, row + j));
+    }
+    const __m512 max_v = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), max_v));
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+      _mm512_mask_storeu_ps(row + j, m, e);
+    }
+    inv[qh] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  std::fill(out, out + q_heads * dim, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) {
+      const auto* next =
+          reinterpret_cast<const char*>(v_data + seq.slots[j + kAhead] * seq.row_size);
+      for (int64_t off = 0; off < seq.row_size * 4; off += 64) {
+        _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+    }
+    const float* value_row = v_data + seq.slots[j] * seq.row_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 value[kChunks];
+      for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(value_row + h * dim + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qh = h * group + g;
+        const __m512 w = _mm512_set1_ps(scores[qh * len + j] * inv[qh]);
+        float* acc = out + qh * dim;
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512 sum = _mm512_fmadd_ps(w, value[c], _mm512_loadu_ps(acc + 16 * c));
+          _mm512_storeu_ps(acc + 16 * c, sum);
+        }
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -82,6 +177,19 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
         TORCH_CHECK(slots[j] >= 0 && slots[j] < num_slots, "KV slot ", slots[j], " out of range");
       }
       const float* q_seq = q_data + b * q_row_stride;
+#if defined(__AVX512F__)
+      if ((dim == 64 || dim == 128) && q_heads <= 64) {
+        scores.resize(static_cast<size_t>(q_heads * len));
+        const SeqView seq{slots, len, kv_heads * dim, dim, group, fscale};
+        float* out_seq = out_data + b * q_heads * dim;
+        if (dim == 64) {
+          attend_seq<4>(seq, q_seq, k_data, v_data, scores.data(), out_seq);
+        } else {
+          attend_seq<8>(seq, q_seq, k_data, v_data, scores.data(), out_seq);
+        }
+        continue;
+      }
+#endif
       scores.resize(static_cast<size_t>(q_heads * len));
       std::fill(peak.begin(), peak.end(), neg_inf);
       const int64_t row_size = kv_heads * dim;  // one token's K (or V): every head
