@@ -17,11 +17,13 @@ import torch.nn.functional as F
 import transformers
 from transformers import LlamaConfig
 
+from engine import sampler as sampler_module
 from engine.layers import fused_cpu
 from engine.layers.linear import GatedMLP
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RopeParams, RotaryEmbedding, apply_rotary
 from engine.loader import load_model
+from engine.sampler import Sampler
 from tests.unit.hf_reference import randomize
 from tests.unit.model_driver import GreedyDriver
 
@@ -220,6 +222,8 @@ def test_failed_build_falls_back_to_pytorch_and_says_why(
     with caplog.at_level(logging.WARNING, logger=fused_cpu.__name__):
         model = load_model(tmp_path, torch.device("cpu"), torch.float32)
     assert fused_cpu.fused_kernels() is None
+    assert fused_cpu.cpu_argmax() is None
+    assert Sampler(256, torch.device("cpu")).argmax is sampler_module._torch_argmax
     assert fused_cpu.build_error() == (
         "RuntimeError: error: command 'c++' failed: No such file or directory"
     )
