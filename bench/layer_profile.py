@@ -82,10 +82,14 @@ def labels(engine: Engine) -> Iterator[None]:
             fn()
 
 
-def start_decoding(engine: Engine, running: int, seed: int) -> None:
-    """Admit ``running`` requests with 20-200 token contexts and prefill them all."""
+def start_decoding(engine: Engine, running: int, seed: int, max_tokens: int) -> None:
+    """Admit ``running`` requests with 20-200 token contexts and prefill them all.
+
+    NOTE: ``max_tokens`` stays small: admission reserves KV for it, and a large one would
+    hold most requests back in the waiting queue.
+    """
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for _ in range(running):
         engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(20, 200))], params)
     # Every request has sampled once: its prompt is in the pool, the next steps decode.
@@ -152,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         model: Any = engine.model
         layers = int(model.config.num_hidden_layers)
         for running in args.running:
-            start_decoding(engine, running, seed=running)
+            # Warm-up, timed and profiled steps, with room to spare.
+            start_decoding(engine, running, seed=running, max_tokens=3 * args.steps + 16)
             step_time(engine, 3)  # warm-up
             step_s = step_time(engine, args.steps)
             matmul_s = step_matmuls(engine.model, running)
