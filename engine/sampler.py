@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -19,6 +19,10 @@ def _upload(values: list, device: torch.device, dtype: torch.dtype | None = None
     """A Python list on ``device`` without a stream sync: ``torch.tensor(..., device=)``
     waits for all queued work; a non-blocking copy of a small host tensor does not."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)  # [B, V] -> [B]
 
 
 class SamplerOutput(NamedTuple):
@@ -76,6 +80,13 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = make_generator(seed, self.device)
+        # [B, V] float32 -> [B] int64 for greedy rows: torch.argmax, or on the CPU the
+        # fused kernel (fused_cpu.cpu_argmax), many times faster there.
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
+        if self.device.type == "cpu":
+            from engine.layers.fused_cpu import cpu_argmax
+
+            self.argmax = cpu_argmax() or _torch_argmax
         # Prompt ids as a device tensor, per request (prompts never change once queued).
         self._prompt_tensors: weakref.WeakKeyDictionary[Req, torch.Tensor] = (
             weakref.WeakKeyDictionary()
@@ -103,7 +114,7 @@ class Sampler:
         )
         if fast:
             # Fast path: one argmax over the batch, one device -> host transfer.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * batch)
 
         logits = self.apply_penalties(logits, reqs)
         logits = self.apply_min_tokens(
@@ -113,14 +124,14 @@ class Sampler:
         greedy_rows = [b for b, r in enumerate(reqs) if r.params.greedy]
         sample_rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
         if not sample_rows:
-            token_ids = logits.argmax(dim=-1)  # [B]
+            token_ids = self.argmax(logits)  # [B]
         elif not greedy_rows:
             token_ids = self._sample(logits, reqs)
         else:
             token_ids = torch.empty(batch, dtype=torch.long, device=logits.device)
             greedy_idx = _upload(greedy_rows, logits.device, torch.long)
             sample_idx = _upload(sample_rows, logits.device, torch.long)
-            token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+            token_ids[greedy_idx] = self.argmax(logits[greedy_idx])
             token_ids[sample_idx] = self._sample(logits[sample_idx], [reqs[b] for b in sample_rows])
         logprobs = self._logprobs(raw_logits, token_ids, reqs)
         return SamplerOutput(token_ids.tolist(), logprobs)

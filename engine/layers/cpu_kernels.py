@@ -35,8 +35,11 @@ def _cflags(avx512: bool = False) -> list[str]:
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
     # Only for a source written for it (``avx512=True``): the others keep their AVX2 build.
+    # torch reports AVX512 only where avx512f/bw/vl/dq all exist; 512-bit vectors
+    # preferred, or GCC's generic tuning keeps auto-vectorized loops at 256 bits.
     if avx512 and capability == "AVX512":
         flags += ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]
+        flags += ["-mprefer-vector-width=512"]
     return flags
 
 
@@ -85,8 +88,10 @@ class NativeExtension:
             if self.module is not None or self.error is not None:
                 return self.module
             flags = _cflags(self.avx512)
-            # The name carries the source and flags: a changed kernel is never served stale.
-            digest = hashlib.sha256(self.source.read_bytes() + " ".join(flags).encode())
+            # The name carries the source, the headers beside it and the flags: a changed
+            # kernel is never served stale.
+            headers = b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
+            digest = hashlib.sha256(self.source.read_bytes() + headers + " ".join(flags).encode())
             name = f"{self.prefix}_{digest.hexdigest()[:12]}"
             try:
                 from torch.utils import cpp_extension
@@ -114,6 +119,7 @@ _PAGED_DECODE = NativeExtension(
     "decode attention runs in PyTorch. It needs a C++ compiler and ninja "
     "(pip install 'hiserve[cpu]').",
     logger,
+    avx512=True,  # an AVX-512 path for head dims 64 and 128
 )
 
 

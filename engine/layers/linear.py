@@ -160,12 +160,18 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.act = activation_fn(activation)
+        # gate_up [T, 2I] -> act(gate) * up [T, I] in one pass; set by
+        # fused_cpu.use_fused_cpu_kernels on float32 CPU models (SwiGLU), else None.
+        self.act_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.gate_up_proj = FusedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
         self.down_proj = FusedLinear(intermediate_size, [hidden_size], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = self.intermediate_size
         gate_up = self.gate_up_proj.forward(x)  # [num_tokens, 2 * intermediate]
+        if self.act_mul is not None:
+            return self.down_proj.forward(self.act_mul(gate_up))
         # [num_tokens, intermediate] -> [num_tokens, hidden]
         return self.down_proj.forward(self.act(gate_up[:, :size]) * gate_up[:, size:])

@@ -23,10 +23,10 @@ def kernel():
     return module
 
 
-def decode_case(kv_heads: int, group: int, lens: list[int], seed: int = 0):
+def decode_case(kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 16):
     """A pool with scattered slots per sequence, its request table, and metadata."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim, layers = 16, 2
+    layers = 2
     pool = DeviceKVPool(layers, 400, kv_heads, head_dim, torch.float32, "cpu")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen))
     table = torch.zeros(8, 128, dtype=torch.int32)
@@ -64,12 +64,79 @@ def test_decode_matches_torch_backend(kernel, kv_heads: int, group: int, lens: l
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+# 64 and 128 take the AVX-512 path (where the CPU has it); lengths around its 16-wide tail.
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize(("kv_heads", "group"), [(3, 3), (1, 1), (2, 4)])
+def test_decode_matches_torch_backend_at_model_head_dims(
+    kernel, head_dim: int, kv_heads: int, group: int
+) -> None:
+    lens = [1, 15, 16, 17, 33, 120]
+    pool, meta, q = decode_case(kv_heads, group, lens, seed=head_dim, head_dim=head_dim)
+    q = 3 * q  # peakier softmax
+    native = CpuNativeAttentionBackend(kernel)
+    for layer in range(pool.num_layers):
+        want = TorchAttentionBackend()._decode(q, layer, meta, pool)
+        got = native._decode(q, layer, meta, pool)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 def test_decode_of_non_contiguous_query(kernel) -> None:
     pool, meta, q = decode_case(2, 2, [6, 9])
     strided = torch.cat([q, q], dim=2)[:, :, : q.shape[2]]  # same values, not contiguous
     assert not strided.is_contiguous()
     got = CpuNativeAttentionBackend(kernel)._decode(strided, 0, meta, pool)
     torch.testing.assert_close(got, TorchAttentionBackend()._decode(q, 0, meta, pool))
+
+
+def test_decode_reads_a_row_strided_query_in_place(kernel) -> None:
+    # The model's q: the first heads of each row of the rotated [B, q + kv, D] tensor.
+    pool, meta, q = decode_case(2, 2, [6, 9, 1])
+    rotated = torch.cat([q, torch.randn(3, 2, q.shape[2])], dim=1)  # [B, q + kv, D]
+    strided = rotated[:, : q.shape[1]]
+    assert not strided.is_contiguous() and strided.stride(1) == q.shape[2]
+    got = CpuNativeAttentionBackend(kernel)._decode(strided, 1, meta, pool)
+    torch.testing.assert_close(got, TorchAttentionBackend()._decode(q, 1, meta, pool))
+
+
+@pytest.mark.parametrize(("tokens", "kv_heads", "head_dim"), [(1, 3, 64), (5, 1, 16), (70, 2, 24)])
+def test_store_kv_writes_what_the_pool_write_does(
+    kernel, tokens: int, kv_heads: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    pools = [DeviceKVPool(3, 200, kv_heads, head_dim, torch.float32, "cpu") for _ in range(2)]
+    for pool in pools:
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen.manual_seed(1)))
+    # k and v as the model passes them: row-strided views of the fused projection.
+    qkv = torch.randn(tokens, 4 + 2 * kv_heads, head_dim, generator=gen)
+    k, v = qkv[:, 4 : 4 + kv_heads], qkv[:, 4 + kv_heads :]
+    slots = torch.randperm(199, generator=gen)[:tokens] + 1
+    pools[0].write(1, slots, k, v)  # the reference: two index_put_
+    kernel.store_kv(pools[1].k_buffers[1], pools[1].v_buffers[1], slots, k, v)
+    assert torch.equal(pools[1].kv_buffer, pools[0].kv_buffer)  # layers 0 and 2 untouched too
+
+
+def test_native_backend_forward_fills_the_pool_like_the_reference(kernel) -> None:
+    pool, meta, q = decode_case(2, 2, [6, 9, 1])
+    meta.out_slots = torch.tensor([3, 250, 17])
+    ref_pool = DeviceKVPool(pool.num_layers, pool.num_slots, 2, 16, torch.float32, "cpu")
+    ref_pool.kv_buffer.copy_(pool.kv_buffer)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    got = CpuNativeAttentionBackend(kernel).forward(q, k, v, 1, meta, pool)
+    want = TorchAttentionBackend().forward(q, k, v, 1, meta, ref_pool)
+    assert torch.equal(pool.kv_buffer, ref_pool.kv_buffer)
+    torch.testing.assert_close(got, want)
+
+
+def test_store_kv_rejects_bad_inputs(kernel) -> None:
+    pool = DeviceKVPool(1, 10, 2, 8, torch.float32, "cpu")
+    k_cache, v_cache = pool.k_buffers[0], pool.v_buffers[0]
+    k = torch.randn(2, 2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.store_kv(k_cache, v_cache, torch.tensor([1, 10]), k, k)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.store_kv(k_cache, v_cache, torch.tensor([1, 2]), k.double(), k)
+    with pytest.raises(RuntimeError, match="matching"):
+        kernel.store_kv(k_cache, v_cache, torch.tensor([1, 2]), k[:, :1], k[:, :1])
 
 
 def test_bad_inputs_raise_clear_errors(kernel) -> None:

@@ -47,6 +47,26 @@ def test_greedy_equals_argmax() -> None:
     assert out.logprobs == [None] * 16
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
+def test_greedy_rows_at_model_vocab_equal_numpy_argmax(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.layers import fused_cpu
+
+    monkeypatch.setenv(fused_cpu.ENV_SWITCH, "1" if fused else "0")
+    vocab = 49152
+    sampler = Sampler(vocab - 5, CPU)  # a padded LM head: a row-strided view inside
+    assert (sampler.argmax is not sampler_module._torch_argmax) == fused
+    logits = random_logits(32, vocab, seed=4)
+    logits[3, [10, 2000]] = 40.0  # a tie: the first index, as numpy
+    expected = np.argmax(logits[:, : vocab - 5].numpy(), axis=1).tolist()
+    assert sampler(logits, [make_req(temperature=0.0)] * 32, [EOS]).token_ids == expected
+    # Mixed with sampled rows: the greedy rows go through the same argmax.
+    reqs = [make_req(temperature=0.0 if b % 2 else 1.0) for b in range(32)]
+    got = sampler(logits, reqs, [EOS]).token_ids
+    assert got[1::2] == expected[1::2]
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy() -> None:
     logits = random_logits(8, 200, seed=1, scale=1.0)
     expected = np.argmax(logits.numpy(), axis=1).tolist()

@@ -4,14 +4,20 @@
 // slots. The pure-PyTorch backend has to gather every sequence's K/V into a padded dense
 // tensor before SDPA (writing and re-reading all of it, every layer, every step); this
 // kernel reads each cached row once, where it lies. Work items are sequences; each K/V
-// row (all KV heads of one token, contiguous) is read once for all query heads.
+// row (all KV heads of one token, contiguous) is read once for all query heads. Head dims
+// 64 and 128 take an AVX-512 path where the build has it (vector dot products, a
+// vectorized exp for the softmax): at 32 sequences of 20-200 tokens it measured 2.5-4x
+// faster with the KV in cache and 1.1-1.3x from DRAM, where reading the rows dominates.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -22,15 +28,110 @@ void check_input(const torch::Tensor& t, const char* name, torch::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+#if defined(__AVX512F__)
+struct SeqView {
+  const int32_t* slots;  // [len] KV slot of each token
+  int64_t len;
+  int64_t row_size;  // floats per K (or V) row: every KV head of one token
+  int64_t dim;
+  int64_t group;
+  float scale;
+};
+
+// One sequence, all query heads, head_dim = 16 * kChunks, AVX-512. Each K row (every KV
+// head of one token) is read once, in slot order, for all query heads: scores go to
+// scores [q_heads, len]; softmax per head in place (vectorized exp); then each V row is
+// read once and added, weighted, into out [q_heads, dim] (which stays in L1).
+template <int kChunks>
+void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, const float* v_data,
+                float* scores, float* out) {
+  constexpr int64_t kAhead = 4;  // rows prefetched ahead: slots may be scattered
+  const int64_t len = seq.len, dim = seq.dim, group = seq.group;
+  const int64_t kv_heads = seq.row_size / dim, q_heads = kv_heads * group;
+  const __m512 scale = _mm512_set1_ps(seq.scale);
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) {
+      const auto* next =
+          reinterpret_cast<const char*>(k_data + seq.slots[j + kAhead] * seq.row_size);
+      for (int64_t off = 0; off < seq.row_size * 4; off += 64) {
+        _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+    }
+    const float* key_row = k_data + seq.slots[j] * seq.row_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 key[kChunks];
+      for (int c = 0; c < kChunks; ++c) key[c] = _mm512_loadu_ps(key_row + h * dim + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qh = h * group + g;
+        const float* query = q_seq + qh * dim;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), key[0]);
+        for (int c = 1; c < kChunks; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), key[c], acc);
+        }
+        scores[qh * len + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc, scale));
+      }
+    }
+  }
+  // Softmax of each head's row over [0, len): max, exp and sum 16 at a time, tail masked.
+  float inv[64];  // q_heads <= 64 (checked by the caller)
+  for (int64_t qh = 0; qh < q_heads; ++qh) {
+    float* row = scores + qh * len;
+    __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, row + j));
+    }
+    const __m512 max_v = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), max_v));
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+      _mm512_mask_storeu_ps(row + j, m, e);
+    }
+    inv[qh] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  std::fill(out, out + q_heads * dim, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) {
+      const auto* next =
+          reinterpret_cast<const char*>(v_data + seq.slots[j + kAhead] * seq.row_size);
+      for (int64_t off = 0; off < seq.row_size * 4; off += 64) {
+        _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+    }
+    const float* value_row = v_data + seq.slots[j] * seq.row_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 value[kChunks];
+      for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(value_row + h * dim + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qh = h * group + g;
+        const __m512 w = _mm512_set1_ps(scores[qh * len + j] * inv[qh]);
+        float* acc = out + qh * dim;
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512 sum = _mm512_fmadd_ps(w, value[c], _mm512_loadu_ps(acc + 16 * c));
+          _mm512_storeu_ps(acc + 16 * c, sum);
+        }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
-// q [B, Hq, D] float32; k_cache, v_cache [S, Hkv, D] float32; table [R, C] int32;
+// q [B, Hq, D] float32 (heads and dims contiguous; rows may be strided, as in a view of
+// the fused q/k/v projection); k_cache, v_cache [S, Hkv, D] float32; table [R, C] int32;
 // rows [B] int64 (table row of each sequence); lens [B] int64 (context length, >= 1).
 // Returns [B, Hq, D] float32: softmax(q . K^T * scale) . V per query head.
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& table,
                            const torch::Tensor& rows, const torch::Tensor& lens, double scale) {
-  check_input(q, "q", torch::kFloat32, 3);
+  TORCH_CHECK(q.device().is_cpu(), "q must be a CPU tensor");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q has the wrong dtype: ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3, "q must have 3 dimensions, got ", q.dim());
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must have contiguous heads and dims (any row stride)");
   check_input(k_cache, "k_cache", torch::kFloat32, 3);
   check_input(v_cache, "v_cache", torch::kFloat32, 3);
   check_input(table, "table", torch::kInt32, 2);
@@ -57,7 +158,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
     TORCH_CHECK(row_data[b] >= 0 && row_data[b] < table.size(0), "sequence ", b,
                 " has a request-table row out of range");
   }
-  auto out = torch::empty_like(q);
+  const int64_t q_row_stride = q.stride(0);
+  auto out = torch::empty({batch, q_heads, dim}, q.options());
   float* out_data = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -74,7 +176,20 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t j = 0; j < len; ++j) {
         TORCH_CHECK(slots[j] >= 0 && slots[j] < num_slots, "KV slot ", slots[j], " out of range");
       }
-      const float* q_seq = q_data + b * q_heads * dim;
+      const float* q_seq = q_data + b * q_row_stride;
+#if defined(__AVX512F__)
+      if ((dim == 64 || dim == 128) && q_heads <= 64) {
+        scores.resize(static_cast<size_t>(q_heads * len));
+        const SeqView seq{slots, len, kv_heads * dim, dim, group, fscale};
+        float* out_seq = out_data + b * q_heads * dim;
+        if (dim == 64) {
+          attend_seq<4>(seq, q_seq, k_data, v_data, scores.data(), out_seq);
+        } else {
+          attend_seq<8>(seq, q_seq, k_data, v_data, scores.data(), out_seq);
+        }
+        continue;
+      }
+#endif
       scores.resize(static_cast<size_t>(q_heads * len));
       std::fill(peak.begin(), peak.end(), neg_inf);
       const int64_t row_size = kv_heads * dim;  // one token's K (or V): every head
@@ -125,6 +240,49 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
+// k, v [T, Hkv, D] float32 (heads and dims contiguous, rows may be strided: views of the
+// fused projection); k_cache, v_cache [S, Hkv, D] contiguous; slots [T] int64. Writes
+// k[t] to k_cache[slots[t]] and v[t] to v_cache[slots[t]]: the pool write of one layer
+// as one call instead of two index_put_.
+void store_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+              const torch::Tensor& k, const torch::Tensor& v) {
+  check_input(k_cache, "k_cache", torch::kFloat32, 3);
+  check_input(v_cache, "v_cache", torch::kFloat32, 3);
+  check_input(slots, "slots", torch::kInt64, 1);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  const int64_t tokens = slots.size(0), num_slots = k_cache.size(0);
+  const int64_t row_size = k_cache.size(1) * k_cache.size(2);
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->dim() == 3,
+                "k and v must be float32 CPU tensors [T, Hkv, D]");
+    TORCH_CHECK(t->size(0) == tokens && t->size(1) == k_cache.size(1) &&
+                    t->size(2) == k_cache.size(2),
+                "k and v must be [T, Hkv, D] matching slots and the cache");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "k and v must have contiguous heads and dims (any row stride)");
+  }
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot_data[t] >= 0 && slot_data[t] < num_slots, "KV slot ", slot_data[t],
+                " out of range [0, ", num_slots, ")");
+  }
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  const auto bytes = static_cast<size_t>(row_size) * sizeof(float);
+  // Rows are a few hundred bytes: threads would cost more than the copy, except for a
+  // long prefill.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_size));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot_data[t] * row_size, k_data + t * k_stride, bytes);
+      std::memcpy(vc + slot_data[t] * row_size, v_data + t * v_stride, bytes);
+    }
+  });
+}
+
 // How many intra-op threads took part in a parallel_for over ``items`` work items: a
 // build without OpenMP would silently run every kernel on one thread.
 int64_t parallel_threads(int64_t items) {
@@ -138,5 +296,6 @@ int64_t parallel_threads(int64_t items) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Decode attention over a paged KV pool (CPU, float32)");
+  m.def("store_kv", &store_kv, "Write one layer's new K/V rows to their pool slots (CPU)");
   m.def("parallel_threads", &parallel_threads, "Threads used by a parallel_for (a self-check)");
 }

@@ -1,0 +1,30 @@
+// Vector math shared by the CPU kernels in this directory (included, not built alone).
+// NOTE: cpu_kernels.NativeExtension hashes every header here into each extension's name,
+// so a change to this file rebuilds the kernels that include it.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// exp(x) for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 Taylor
+// polynomial (relative error < 2e-7 there), times 2^n built in the exponent bits.
+// Inputs are clamped to [-87, 88], where 2^n stays a normal float.
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln2 in two parts (Cody-Waite) so r keeps its low bits.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
