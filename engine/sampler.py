@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from engine.layers.fused_cpu import cpu_argmax
 from engine.request import Req, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -80,13 +81,11 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = make_generator(seed, self.device)
-        # [B, V] float32 -> [B] int64 for greedy rows: torch.argmax, or on the CPU the
-        # fused kernel (fused_cpu.cpu_argmax), many times faster there.
-        self.argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
-        if self.device.type == "cpu":
-            from engine.layers.fused_cpu import cpu_argmax
-
-            self.argmax = cpu_argmax() or _torch_argmax
+        # [B, V] float32 -> [B] int64 for greedy rows: on the CPU the fused kernel (many
+        # times faster there) where it builds, else torch.argmax.
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = (
+            cpu_argmax() if self.device.type == "cpu" else None
+        ) or _torch_argmax
         # Prompt ids as a device tensor, per request (prompts never change once queued).
         self._prompt_tensors: weakref.WeakKeyDictionary[Req, torch.Tensor] = (
             weakref.WeakKeyDictionary()

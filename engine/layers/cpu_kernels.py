@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -81,6 +82,16 @@ class NativeExtension:
         self.module: Any | None = None
         self.error: str | None = None
         self._lock = threading.Lock()
+
+    def load_for(self, model: torch.nn.Module, env_switch: str) -> Any | None:
+        """The compiled module for a float32 CPU ``model`` whose ``env_switch`` is not set
+        to 0; None for any other model, when switched off, or when it cannot be built."""
+        if os.environ.get(env_switch, "1") == "0":
+            return None
+        param = next(model.parameters(), None)
+        if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
+            return None
+        return self.load()
 
     def load(self) -> Any | None:
         """The compiled module, or None when it cannot be built here."""

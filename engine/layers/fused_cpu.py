@@ -63,12 +63,7 @@ def use_fused_cpu_kernels(model: nn.Module) -> int:
     from engine.layers.linear import GatedMLP
     from engine.layers.rmsnorm import RMSNorm
 
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return 0
-    params = list(model.parameters())
-    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32:
-        return 0
-    kernels = fused_kernels()
+    kernels = _FUSED.load_for(model, ENV_SWITCH)
     if kernels is None:
         return 0
     switched = 0

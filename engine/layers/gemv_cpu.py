@@ -16,10 +16,8 @@ embedding table is the dense copy). Built like the other native kernels (see
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-import torch
 from torch import nn
 
 from engine.layers.cpu_kernels import NativeExtension
@@ -64,12 +62,7 @@ def use_cpu_gemv(model: nn.Module, max_tokens: int = GEMV_MAX_TOKENS) -> int:
     """
     from engine.layers.linear import FusedLinear
 
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return 0
-    params = list(model.parameters())
-    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32:
-        return 0
-    kernel = gemv_kernel()
+    kernel = _GEMV.load_for(model, ENV_SWITCH)
     if kernel is None:
         return 0
     tied_head = getattr(model, "tied_head", None)

@@ -28,6 +28,13 @@ void check_input(const torch::Tensor& t, const char* name, torch::ScalarType dty
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// Into the cache, one line (16 floats) at a time: the K or V row (every KV head of one
+// token) of ``slot``, which may lie anywhere in the pool.
+inline void prefetch_row(const float* data, int64_t slot, int64_t row_size) {
+  const float* row = data + slot * row_size;
+  for (int64_t off = 0; off < row_size; off += 16) __builtin_prefetch(row + off);
+}
+
 #if defined(__AVX512F__)
 struct SeqView {
   const int32_t* slots;  // [len] KV slot of each token
@@ -50,13 +57,7 @@ void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, con
   const int64_t kv_heads = seq.row_size / dim, q_heads = kv_heads * group;
   const __m512 scale = _mm512_set1_ps(seq.scale);
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) {
-      const auto* next =
-          reinterpret_cast<const char*>(k_data + seq.slots[j + kAhead] * seq.row_size);
-      for (int64_t off = 0; off < seq.row_size * 4; off += 64) {
-        _mm_prefetch(next + off, _MM_HINT_T0);
-      }
-    }
+    if (j + kAhead < len) prefetch_row(k_data, seq.slots[j + kAhead], seq.row_size);
     const float* key_row = k_data + seq.slots[j] * seq.row_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       __m512 key[kChunks];
@@ -93,13 +94,7 @@ void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, con
   }
   std::fill(out, out + q_heads * dim, 0.f);
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) {
-      const auto* next =
-          reinterpret_cast<const char*>(v_data + seq.slots[j + kAhead] * seq.row_size);
-      for (int64_t off = 0; off < seq.row_size * 4; off += 64) {
-        _mm_prefetch(next + off, _MM_HINT_T0);
-      }
-    }
+    if (j + kAhead < len) prefetch_row(v_data, seq.slots[j + kAhead], seq.row_size);
     const float* value_row = v_data + seq.slots[j] * seq.row_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       __m512 value[kChunks];
@@ -194,10 +189,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
       std::fill(peak.begin(), peak.end(), neg_inf);
       const int64_t row_size = kv_heads * dim;  // one token's K (or V): every head
       for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) {
-          const float* next = k_data + static_cast<int64_t>(slots[j + kAhead]) * row_size;
-          for (int64_t off = 0; off < row_size; off += 16) __builtin_prefetch(next + off);
-        }
+        if (j + kAhead < len) prefetch_row(k_data, slots[j + kAhead], row_size);
         const float* key_row = k_data + static_cast<int64_t>(slots[j]) * row_size;
         for (int64_t qh = 0; qh < q_heads; ++qh) {
           const float* query = q_seq + qh * dim;
@@ -222,10 +214,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
       float* out_seq = out_data + b * q_heads * dim;
       std::fill(out_seq, out_seq + q_heads * dim, 0.f);
       for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) {
-          const float* next = v_data + static_cast<int64_t>(slots[j + kAhead]) * row_size;
-          for (int64_t off = 0; off < row_size; off += 16) __builtin_prefetch(next + off);
-        }
+        if (j + kAhead < len) prefetch_row(v_data, slots[j + kAhead], row_size);
         const float* value_row = v_data + static_cast<int64_t>(slots[j]) * row_size;
         for (int64_t qh = 0; qh < q_heads; ++qh) {
           const float weight = scores[qh * len + j] * denom[qh];
