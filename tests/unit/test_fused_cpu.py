@@ -25,6 +25,7 @@ from engine.layers.rotary import RopeParams, RotaryEmbedding, apply_rotary
 from engine.loader import load_model
 from engine.sampler import Sampler
 from tests.unit.hf_reference import randomize
+from tests.unit.model_configs import TINY
 from tests.unit.model_driver import GreedyDriver
 
 
@@ -164,16 +165,7 @@ def test_kernels_refuse_other_dtypes_with_a_clear_error(kernels: Any) -> None:
 
 
 def _tiny_hf(path: Path) -> Any:
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**TINY, tie_word_embeddings=False)
     hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomize(hf_model, seed=5)
     hf_model.save_pretrained(path)

@@ -25,6 +25,7 @@ from engine.layers import gemv_cpu
 from engine.layers.linear import FusedLinear
 from engine.loader import load_model
 from tests.unit.hf_reference import randomize
+from tests.unit.model_configs import TINY
 from tests.unit.model_driver import GreedyDriver
 
 
@@ -113,16 +114,9 @@ def test_layer_uses_it_up_to_its_threshold_only(kernel: Any) -> None:
 
 
 def _tiny_hf(path: Path, tied: bool) -> Any:
+    # intermediate_size 136, not a multiple of 16: a masked tail in down_proj.
     config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=136,  # not a multiple of 16: a masked tail in down_proj
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        mlp_bias=True,
+        **{**TINY, "intermediate_size": 136}, tie_word_embeddings=tied, mlp_bias=True
     )
     hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomize(hf_model, seed=11)

@@ -25,17 +25,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from server.args import parse_args
 from tests.unit.fake_backends import ExplodingCuda, FakeStreamBackend
+from tests.unit.model_configs import TINY
 from tests.unit.test_engine import engine_for
-
-_COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 class FakeGraph:
@@ -157,10 +148,10 @@ def test_a_failed_capture_leaves_decode_eager(
 
 
 def test_graph_blockers() -> None:
-    assert graph_blockers(LlamaForCausalLM(LlamaConfig(**_COMMON))) == []
-    windowed = graph_blockers(LlamaForCausalLM(MistralConfig(**_COMMON, sliding_window=6)))
+    assert graph_blockers(LlamaForCausalLM(LlamaConfig(**TINY))) == []
+    windowed = graph_blockers(LlamaForCausalLM(MistralConfig(**TINY, sliding_window=6)))
     assert windowed == ["attention backend 'torch_windowed' sizes its work per sequence"]
-    moe = MixtralForCausalLM(MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2))
+    moe = MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2))
     assert graph_blockers(moe) == [
         "mixture-of-experts routing reads the chosen experts on the host"
     ]
@@ -187,7 +178,7 @@ def test_when_the_engine_uses_graphs(
     assert capped is not None and capped.batch_buckets == [1, 2, 4, 8, 12]
     assert build(disable_cuda_graph=True) is None
     assert build(tensor_parallel_size=2) is None
-    assert build(model=LlamaForCausalLM(MistralConfig(**_COMMON, sliding_window=6))) is None
+    assert build(model=LlamaForCausalLM(MistralConfig(**TINY, sliding_window=6))) is None
     cpu = EngineConfig(model=str(tiny_llama_dir))
     assert (
         build_decode_graphs(cpu, engine.model, kv, platform.DeviceSpec("cpu"), engine.device)
