@@ -13,6 +13,7 @@ from engine.layers.attention import (
     get_attention_backend,
 )
 from engine.layers.attention_meta import AttentionMetadata
+from tests.unit.native_build import fail_native_build
 
 
 @pytest.fixture(scope="module")
@@ -179,14 +180,8 @@ def test_failed_build_falls_back_or_names_the_reason(monkeypatch: pytest.MonkeyP
 
 
 def test_build_failure_is_caught_and_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.utils import cpp_extension
-
-    def broken_load(**kwargs: object) -> None:
-        raise RuntimeError("error: command 'c++' failed\nno compiler found")
-
-    monkeypatch.setattr(cpu_kernels._PAGED_DECODE, "module", None)
-    monkeypatch.setattr(cpu_kernels._PAGED_DECODE, "error", None)
-    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    message = "error: command 'c++' failed\nno compiler found"
+    fail_native_build(monkeypatch, cpu_kernels._PAGED_DECODE, message)
     assert cpu_kernels.paged_decode_kernel() is None
     assert cpu_kernels.build_error() == "RuntimeError: no compiler found"
     assert attention.get_attention_backend("auto", torch.device("cpu")).name == "torch"

@@ -27,6 +27,7 @@ from engine.loader import load_model
 from tests.unit.hf_reference import randomize
 from tests.unit.model_configs import TINY
 from tests.unit.model_driver import GreedyDriver
+from tests.unit.native_build import fail_native_build
 
 
 @pytest.fixture(scope="module")
@@ -178,16 +179,9 @@ def test_non_float32_models_keep_their_matmuls(tmp_path: Path) -> None:
 def test_failed_build_falls_back_to_onednn_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from torch.utils import cpp_extension
-
     hf_model = _tiny_hf(tmp_path, tied=True)
-
-    def broken_build(**kwargs: object) -> None:
-        raise RuntimeError("error: command 'c++' failed: No such file or directory")
-
-    monkeypatch.setattr(gemv_cpu._GEMV, "module", None)
-    monkeypatch.setattr(gemv_cpu._GEMV, "error", None)
-    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    message = "error: command 'c++' failed: No such file or directory"
+    fail_native_build(monkeypatch, gemv_cpu._GEMV, message)
     with caplog.at_level(logging.WARNING, logger=gemv_cpu.__name__):
         model = load_model(tmp_path, torch.device("cpu"), torch.float32)
     assert gemv_cpu.gemv_kernel() is None
