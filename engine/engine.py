@@ -166,6 +166,7 @@ class Engine:
             self.config.max_stop_strings,
             self.config.max_stop_token_ids,
             self.config.max_logprobs,
+            self.config.max_stop_chars,
         )
         if params.grammar is not None:
             check_spec(params.grammar)

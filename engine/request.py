@@ -58,6 +58,7 @@ class SamplingParams:
         max_stop_strings: int = 16,
         max_stop_token_ids: int = 256,
         max_logprobs: int = 20,
+        max_stop_chars: int = 512,
     ) -> None:
         """Raise ValueError naming the offending field; every check is cheap (the lengths
         are bounded before anything walks a list)."""
@@ -83,6 +84,12 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > max_stop_chars:
+            raise ValueError(
+                f"stop strings may be at most {max_stop_chars} characters long "
+                f"(--max-stop-chars); one has {longest}"
+            )
         if len(self.stop_token_ids) > max_stop_token_ids:
             raise ValueError(
                 f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "

@@ -163,11 +163,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
     FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
+    FlagSpec("max-stop-chars", "longest stop string, in characters", "max_stop_chars"),
     FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),
     FlagSpec(
         "max-logprobs",
         "most logprobs / top_logprobs a request may ask for (vLLM's max_logprobs)",
         "max_logprobs",
+    ),
+    FlagSpec(
+        "max-logprob-entries",
+        "most logprob entries one request may return: choices x max_tokens x (1 + top_logprobs)",
+        "max_logprob_entries",
     ),
     FlagSpec(
         "max-queued-outputs",
