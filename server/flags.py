@@ -202,9 +202,25 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "api-key",
-        "require 'Authorization: Bearer <key>' on /v1 and admin routes",
+        "the client key: require 'Authorization: Bearer <key>' on /v1 and /metrics (and on "
+        "the admin routes when --admin-key is unset); prefer the environment variable, which "
+        "`ps` does not show",
         kind="str",
         optional=True,
+    ),
+    FlagSpec(
+        "admin-key",
+        "the fleet's router/replica key: the only key that opens /flush_cache, /server_info, "
+        "/model_info and /v1/loads, and it opens every other route too; give the router "
+        "this key, and clients --api-key",
+        kind="str",
+        optional=True,
+    ),
+    FlagSpec(
+        "metrics-public",
+        "serve /metrics without a key (for a scraper that cannot send one)",
+        kind="bool",
+        default=False,
     ),
     FlagSpec("log-level", "logging level", kind="str", default="info", choices=LOG_LEVELS),
     FlagSpec(
@@ -227,7 +243,8 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "allowed-hosts",
-        "comma-separated Host header values accepted (DNS-rebinding guard); empty: any",
+        "comma-separated Host header values accepted (DNS-rebinding guard; '*': any); "
+        "unset: any when a key is set, else localhost, 127.0.0.1 and [::1] only",
         kind="str",
         optional=True,
     ),
