@@ -79,7 +79,7 @@ class SchedulerConfig(CacheConfig):
     # One forward holds the running requests' decode tokens and new prefill chunks
     # together (SGLang's --enable-mixed-chunk); False: prefill and decode steps alternate.
     # None (auto): mixed unless decode steps replay device graphs, whose graphed decode
-    # step beats an eager mixed one (measured on an H200; see README "Mixed batches").
+    # step beats an eager mixed one (measured on an H200; see docs/performance.md, "Mixed batches").
     enable_mixed_batches: bool | None = None
     # Context length; None: the model config's max_position_embeddings.
     max_model_len: int | None = None
