@@ -18,7 +18,7 @@ HICACHE_STORAGE_BACKENDS = ("none", "file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # auto: the native CPU decode kernel for float32 on the CPU where it builds, else torch.
-ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_native", "triton")
 
 
 @dataclass(frozen=True)
