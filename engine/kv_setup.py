@@ -33,20 +33,7 @@ class KVSetup:
         return self.manager.tree.clear()
 
     def host_stats(self) -> dict[str, float]:
-        tree = self.manager.tree
-        stats = getattr(tree, "host_stats", None)
-        if stats is not None:
-            return dict(stats())
-        return {
-            "host_total": 0,
-            "host_free": 0,
-            "host_cached": 0,
-            "evicted_host_tokens_total": 0,
-            "backup_tokens_total": 0,
-            "backup_bytes_total": 0,
-            "loadback_tokens_total": 0,
-            "loadback_bytes_total": 0,
-        }
+        return self.manager.tree.host_stats()
 
     def host_health(self) -> dict[str, object]:
         if self.host_pool is None:
@@ -57,7 +44,7 @@ class KVSetup:
                 "pinned": False,
                 "storage_backend": None,
             }
-        storage = getattr(self.manager.tree, "storage", None)
+        storage = self.manager.tree.storage
         return {
             "hicache": True,
             "host_total_tokens": self.host_pool.capacity,
@@ -72,9 +59,7 @@ class KVSetup:
         streams finished, the device idle (the loop thread must have stopped)."""
         if self.host_pool is None:
             return
-        close_tree = getattr(self.manager.tree, "close", None)
-        if close_tree is not None:
-            close_tree()
+        self.manager.tree.close()
         if self.spec is not None:
             platform.synchronize(self.spec)
         self.host_pool.close()

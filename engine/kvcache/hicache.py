@@ -120,6 +120,10 @@ class HiRadixCache(RadixCache):
         self.poll()
 
     @property
+    def backups_in_flight(self) -> bool:
+        return bool(self._pending)
+
+    @property
     def evictable_tokens(self) -> int:
         self.poll()
         return self.cached_tokens - self.protected_tokens
