@@ -50,6 +50,9 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         eos_token_ids: Collection[int],
+        masker: TokenMasker | None = None,
+        graphs: DecodeGraphRunner | None = None,
+        on_step: Callable[[StepInputs | None], None] | None = None,
     ) -> None:
         self.model: Any = model  # LlamaForCausalLM-like: forward + compute_logits
         self.kv_pool = kv_pool
@@ -57,11 +60,11 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.masker: TokenMasker | None = None  # the engine's, for constrained requests
+        self.masker = masker  # the engine's, for constrained requests
         # Tensor parallel (rank 0): hands each step's inputs to the other ranks.
-        self.on_step: Callable[[StepInputs], None] | None = None
+        self.on_step = on_step
         # Device graphs for pure decode steps (engine/graph_runner.py); None: all eager.
-        self.graphs: DecodeGraphRunner | None = None
+        self.graphs = graphs
 
     def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
         """Every int64 input of one step in one buffer, one host -> device copy.

@@ -111,11 +111,12 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         new_token_ratio: float = 0.5,
+        mixed: bool | None = None,
     ) -> None:
         self.config = config
-        # Whether decodes and prefill chunks share a forward; the engine settles auto (None)
-        # once it knows whether decode steps replay device graphs.
-        self.mixed = config.enable_mixed_batches is not False
+        # Whether decodes and prefill chunks share a forward; the engine's build settles
+        # auto (None) once it knows whether decode steps replay device graphs.
+        self.mixed = config.enable_mixed_batches is not False if mixed is None else mixed
         self.kv = kv
         self.max_model_len = max_model_len
         self.new_token_ratio = new_token_ratio

@@ -14,8 +14,9 @@ from engine.host_alloc import alloc_host, host_alloc_method, pinned_size, pow2_c
 from engine.host_memory import HostMemoryError
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
-from engine.kvcache.hicache_setup import build_hicache, fit_pinned_tokens
+from engine.kvcache.hicache_setup import build_hicache
 from engine.kvcache.host_pool import HostKVPool
+from engine.kvcache.sizing import fit_pinned_tokens
 from engine.platform import DeviceSpec
 from tests.unit.fake_backends import (
     ExplodingCuda,
