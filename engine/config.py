@@ -17,6 +17,9 @@ HICACHE_HOST_ALLOC = ("auto", "pin_memory", "host_register", "pageable")
 HICACHE_STORAGE_BACKENDS = ("none", "file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Tokens per KV page when an L3 storage backend is set and no page size was given: the
+# store keeps one object per page, so one token per page (the default) cannot work.
+L3_DEFAULT_PAGE_SIZE = 16
 # auto: the native CPU decode kernel for float32 on the CPU where it builds, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_native", "triton")
 
