@@ -62,7 +62,12 @@ class CacheConfig(ModelConfig):
     # L3: a page store below the host tier, shared by replicas and kept across restarts.
     hicache_storage_backend: str = "none"
     hicache_storage_dir: str | None = None  # the file backend's directory
-    hicache_storage_size: float | None = None  # GB the file backend may use; None: no limit
+    # GB the file backend's directory may hold, every replica's pages counted.
+    hicache_storage_size: float = 16.0
+    # The fleet secret L3 pages are authenticated with is read from this file (or from
+    # $HISERVE_HICACHE_STORAGE_SECRET); see docs/cache-security.md.
+    hicache_storage_secret_file: str | None = None
+    hicache_storage_encrypt: bool = False  # AES-GCM the file backend's pages at rest
     hicache_storage_prefetch_policy: str = "timeout"
     # Prompts continuing past their device/host match by fewer tokens skip the store.
     hicache_storage_prefetch_threshold: int = 256
@@ -135,6 +140,10 @@ class EngineConfig(SchedulerConfig):
                 raise ValueError(
                     "an L3 storage backend sits below the HiCache host tier: add "
                     "--enable-hierarchical-cache (or drop --hicache-storage-backend)"
+                )
+            if not self.hicache_storage_size > 0:
+                raise ValueError(
+                    f"hicache_storage_size must be > 0 GB, got {self.hicache_storage_size}"
                 )
             if self.page_size < 2:
                 raise ValueError(

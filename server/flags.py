@@ -117,8 +117,20 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("hicache-storage-dir", "directory of the file L3 backend", "hicache_storage_dir"),
     FlagSpec(
         "hicache-storage-size",
-        "GB the file L3 backend may use (least recently used pages go first)",
+        "GB the file L3 backend's directory may hold, counting every replica's pages "
+        "(oldest pages go first; default 16)",
         "hicache_storage_size",
+    ),
+    FlagSpec(
+        "hicache-storage-secret-file",
+        "file holding the fleet secret that authenticates L3 pages (or set "
+        "HISERVE_HICACHE_STORAGE_SECRET); see docs/cache-security.md",
+        "hicache_storage_secret_file",
+    ),
+    FlagSpec(
+        "hicache-storage-encrypt",
+        "encrypt the file L3 backend's pages at rest (AES-GCM; extra l3-crypt)",
+        "hicache_storage_encrypt",
     ),
     FlagSpec(
         "hicache-storage-prefetch-policy",
