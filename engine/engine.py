@@ -20,6 +20,7 @@ from engine.grammar_spec import check_spec
 from engine.graph_runner import build_decode_graphs
 from engine.kv_setup import KVSetup, build_kv
 from engine.model_runner import ModelRunner
+from engine.models import gguf_packed
 from engine.outputs import check_stop, make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
 from engine.sampler import Sampler, make_generator
@@ -43,10 +44,19 @@ class Engine:
         # NOTE: calls without a device (event waits, current_stream) mean the current one;
         # AsyncEngine's loop thread sets it again, as a new thread starts on device 0.
         platform.set_device(self.device_spec)
-        self.dtype = dtypes.parse_dtype(config.dtype, self.device_spec)
         torch.manual_seed(config.seed)
 
         self.model_path: Path = loader.resolve_model_path(config.model, config.cache_dir)
+        gguf_file = loader.gguf_file_of(config.model)
+        self.weights = dtypes.choose_weights(
+            config.dtype,
+            self.device_spec,
+            gguf=gguf_file is not None and gguf_packed.packing_enabled(),
+            tp_size=config.tensor_parallel_size,
+        )
+        self.dtype = self.weights.dtype
+        self.gguf_packed_path = gguf_file if self.weights.packed_gguf else None
+        logger.info("weights: %s (%s)", str(self.dtype)[6:], self.weights.reason)
         self.hf_config = loader.load_hf_config(self.model_path)
         self.tokenizer = loader.load_tokenizer(self.model_path)
         # Tensor parallel: workers start now and load their shards while rank 0 does.
@@ -81,6 +91,7 @@ class Engine:
             self.dtype,
             config.attention_backend,
             self.tp.shard if self.tp is not None else None,
+            gguf_path=self.gguf_packed_path,
         )
         backend: Any = getattr(self.model, "attn_backend", None)
         self.attention_backend: str = backend.name if backend is not None else "unknown"
