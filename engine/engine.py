@@ -127,6 +127,7 @@ class Engine:
             self.eos_token_ids,
             config.grammar_compile_timeout,
             self.device,
+            step_budget_s=config.grammar_step_budget_ms / 1e3,
         )
         self.runner.masker = self.grammars.masker
         self.requests: dict[str, Req] = {}
@@ -268,6 +269,12 @@ class Engine:
                 req.error = RuntimeError(
                     f"sampled token {token} is not allowed by the request's grammar"
                 )
+                self._finish(req, FinishReason.ABORT)
+                outputs.append(make_output(req, finished=True))
+                continue
+            over = req.grammar.over_budget() if req.grammar is not None else None
+            if over is not None:
+                req.error = over  # this request only; the others in the batch go on
                 self._finish(req, FinishReason.ABORT)
                 outputs.append(make_output(req, finished=True))
                 continue
