@@ -127,7 +127,12 @@ def _build_on(
     vocab_size = int(hf_config.vocab_size)
     sampler = Sampler(vocab_size, device, seed=config.seed)
     grammars = EngineGrammars(
-        tokenizer, vocab_size, eos_token_ids, config.grammar_compile_timeout, device
+        tokenizer,
+        vocab_size,
+        eos_token_ids,
+        config.grammar_compile_timeout,
+        device,
+        step_budget_s=config.grammar_step_budget_ms / 1e3,
     )
     runner = ModelRunner(
         model,

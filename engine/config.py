@@ -114,6 +114,11 @@ class EngineConfig(SchedulerConfig):
 
     # Seconds a structured-output request waits for its grammar to compile before it fails.
     grammar_compile_timeout: float = 30.0
+    # Grammar work (mask fill + accept) one request may take per generated token, in ms;
+    # past it the request ends with an error (an ambiguous grammar's cost grows per step).
+    grammar_step_budget_ms: float = 50.0
+    # Most choices (prompts x n) of one constrained request: each copy has its own matcher.
+    max_grammar_choices: int = 8
     # Device graphs (CUDA / MUSA) replay pure decode steps (engine/graph_runner.py); they
     # are never used on the CPU, which has none. SGLang's flag names.
     disable_cuda_graph: bool = False
@@ -186,6 +191,12 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"kv_mem_fraction must be in (0, 1], got {self.kv_mem_fraction}")
         if self.hicache_ratio <= 0:
             raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.grammar_step_budget_ms <= 0:
+            raise ValueError(
+                f"grammar_step_budget_ms must be > 0, got {self.grammar_step_budget_ms}"
+            )
+        if self.max_grammar_choices < 1:
+            raise ValueError(f"max_grammar_choices must be >= 1, got {self.max_grammar_choices}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0 s, got {self.grammar_compile_timeout}"

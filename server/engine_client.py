@@ -145,6 +145,10 @@ class EngineClient:
         return int(getattr(self.engine.config, "max_stop_token_ids", 256))
 
     @property
+    def max_grammar_choices(self) -> int:
+        return int(getattr(self.engine.config, "max_grammar_choices", 8))
+
+    @property
     def max_logprob_entries(self) -> int:
         return int(getattr(self.engine.config, "max_logprob_entries", 1 << 20))
 

@@ -202,6 +202,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "seconds a structured-output request may wait for its grammar to compile",
         "grammar_compile_timeout",
     ),
+    FlagSpec(
+        "grammar-step-budget-ms",
+        "milliseconds of grammar work (mask fill + accept) a constrained request may take "
+        "per token; past it the request ends with an error",
+        "grammar_step_budget_ms",
+    ),
+    FlagSpec(
+        "max-grammar-choices",
+        "most choices (prompts x n) of a request with an output constraint",
+        "max_grammar_choices",
+    ),
     # server-only
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),

@@ -138,6 +138,15 @@ def make_plan(
     its own matcher; the spec itself is shared).
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
+    if grammar is not None and plan.num_choices > client.max_grammar_choices:
+        raise APIError(
+            400,
+            f"this request asks for {plan.num_choices} constrained choices ({grammar.param}); "
+            f"at most {client.max_grammar_choices} are allowed (--max-grammar-choices). "
+            "Lower n or split the request.",
+            param="n",
+            code="too_many_choices",
+        )
     entries = 0  # logprob entries the whole response may carry
     stop_token_ids = frozenset(req.stop_token_ids or ())
     for prompt in prompts:

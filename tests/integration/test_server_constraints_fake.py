@@ -449,3 +449,16 @@ def test_deeply_nested_schemas_are_refused_at_once(
     assert resp.json()["error"]["param"] == param
     assert "nested more than 64 levels" in resp.json()["error"]["message"]
     assert engine.calls == []
+
+
+def test_constrained_choices_are_bounded(fake: Fake) -> None:
+    """Issue 25 item 2: every copy of a constrained request runs its own matcher."""
+    engine, srv = fake
+    body = {"prompt": ["x", "y", "z"], "n": 3, "max_tokens": 2, "guided_regex": "[a-z]+"}
+    resp = post(srv, "/v1/completions", body)  # 9 choices
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "n"
+    assert "--max-grammar-choices" in resp.json()["error"]["message"]
+    assert engine.calls == []
+    assert post(srv, "/v1/completions", {**body, "prompt": ["x", "y"], "n": 4}).status_code == 200
+    assert post(srv, "/v1/completions", {**body, "guided_regex": None}).status_code == 200
