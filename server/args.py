@@ -44,6 +44,7 @@ class ServerArgs:
     enable_docs: bool = False
     trust_message_special_tokens: bool = False
     tool_call_parser: str = "auto"
+    cached_tokens_scope: str = "all"  # what cached_tokens reports (server/cache_report.py)
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -61,6 +62,7 @@ class ServerArgs:
             enable_docs=self.enable_docs,
             trust_message_special_tokens=self.trust_message_special_tokens,
             tool_call_parser=self.tool_call_parser,
+            cached_tokens_scope=self.cached_tokens_scope,
         )
         return out
 
@@ -207,6 +209,7 @@ def parse_args(
         enable_docs=bool(values["enable_docs"]),
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),
         tool_call_parser=values["tool_call_parser"],
+        cached_tokens_scope=values["cached_tokens_scope"],
     )
 
 
