@@ -48,6 +48,7 @@ class ServerArgs:
     tool_call_parser: str = "auto"
     # Settings the server chose for the operator, one sentence each, for the start-up log.
     notes: tuple[str, ...] = ()
+    cached_tokens_scope: str = "all"  # what cached_tokens reports (server/cache_report.py)
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -67,6 +68,7 @@ class ServerArgs:
             enable_docs=self.enable_docs,
             trust_message_special_tokens=self.trust_message_special_tokens,
             tool_call_parser=self.tool_call_parser,
+            cached_tokens_scope=self.cached_tokens_scope,
         )
         return out
 
@@ -232,6 +234,7 @@ def parse_args(
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),
         tool_call_parser=values["tool_call_parser"],
         notes=tuple(notes),
+        cached_tokens_scope=values["cached_tokens_scope"],
     )
 
 

@@ -16,6 +16,7 @@ from engine.config import (
     HICACHE_WRITE_POLICIES,
     SCHEDULE_POLICIES,
 )
+from server.cache_report import CACHED_TOKENS_SCOPES
 from server.tools.parsers import PARSER_NAMES
 
 ENV_PREFIX = "HISERVE_"
@@ -244,6 +245,15 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "serve /metrics without a key (for a scraper that cannot send one)",
         kind="bool",
         default=False,
+    ),
+    FlagSpec(
+        "cached-tokens-scope",
+        "what usage.cached_tokens reports: all (every hit), key (only prefixes the same "
+        "bearer token sent before; others' cached prompts cannot be probed) or none (always "
+        "0); see docs/cache-security.md",
+        kind="str",
+        default="all",
+        choices=CACHED_TOKENS_SCOPES,
     ),
     FlagSpec("log-level", "logging level", kind="str", default="info", choices=LOG_LEVELS),
     FlagSpec(

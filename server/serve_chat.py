@@ -159,6 +159,7 @@ async def serve_chat(
         logprobs,
         "messages",
         grammar,
+        authorization=request.headers.get("authorization"),
     )
     gen = start_generation(client, plan)
     timers = make_timers(metrics, start, plan.num_choices)

@@ -118,6 +118,7 @@ async def serve_completion(
         req.logprobs,
         "prompt",
         grammar,
+        authorization=request.headers.get("authorization"),
     )
     gen = start_generation(client, plan)
     timers = make_timers(metrics, start, plan.num_choices)
