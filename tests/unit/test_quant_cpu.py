@@ -132,3 +132,15 @@ def test_packed_weight_refuses_gaps() -> None:
         packed.finish()
     with pytest.raises(ValueError, match="does not fit"):
         packed.put(12, QuantTensor(8, torch.from_numpy(random_blocks(8, 8, 32, seed=0)), 32))
+
+
+def test_batched_path_under_inference_mode(kernel: Any) -> None:
+    # The engine runs in inference mode; threads the kernel starts must not touch its
+    # tensors through ATen ops (their own mode is off, so an in-place op raises).
+    blocks = random_blocks(3, 300, 64, seed=2)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1))
+    with torch.inference_mode():
+        x = torch.randn(9, 64)
+        out = torch.empty(9, 300)
+        kernel.qmatmul(x, torch.from_numpy(blocks), 3, out)
+    torch.testing.assert_close(out, x @ want.T, rtol=1e-4, atol=1e-4)
