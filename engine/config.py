@@ -18,7 +18,7 @@ HICACHE_STORAGE_BACKENDS = ("none", "file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # auto: the native CPU decode kernel for float32 on the CPU where it builds, else torch.
-ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_native", "triton")
 
 
 @dataclass(frozen=True)
@@ -79,15 +79,20 @@ class SchedulerConfig(CacheConfig):
     # One forward holds the running requests' decode tokens and new prefill chunks
     # together (SGLang's --enable-mixed-chunk); False: prefill and decode steps alternate.
     # None (auto): mixed unless decode steps replay device graphs, whose graphed decode
-    # step beats an eager mixed one (measured on an H200; see README "Mixed batches").
+    # step beats an eager mixed one (measured on an H200; see docs/performance.md, "Mixed batches").
     enable_mixed_batches: bool | None = None
     # Context length; None: the model config's max_position_embeddings.
     max_model_len: int | None = None
     max_stop_strings: int = 16
+    # Longest stop string (characters): every step searches the new text for each one.
+    max_stop_chars: int = 512
     # Most stop_token_ids per request (held as a set, validated once per request).
     max_stop_token_ids: int = 256
     # Most top logprobs per token a request may ask for (vLLM's max_logprobs).
     max_logprobs: int = 20
+    # Most logprob entries one request may return: choices x max_tokens x (1 + top
+    # logprobs); about 80 bytes of JSON each.
+    max_logprob_entries: int = 1 << 20
     # Outputs a stream may have queued for a reader that is not reading; past that they
     # are merged into one pending delta, and a reader that stays away for
     # stream_stall_timeout seconds has its request ended and its KV freed.
@@ -148,6 +153,8 @@ class EngineConfig(SchedulerConfig):
             "chunked_prefill_size",
             "max_waiting_requests",
             "max_stop_token_ids",
+            "max_stop_chars",
+            "max_logprob_entries",
             "max_queued_outputs",
         ):
             if getattr(self, name) < 1:

@@ -99,6 +99,7 @@ class Engine:
             self.config.max_stop_strings,
             self.config.max_stop_token_ids,
             self.config.max_logprobs,
+            self.config.max_stop_chars,
         )
         if params.grammar is not None:
             check_spec(params.grammar)
@@ -189,6 +190,11 @@ class Engine:
                 continue
             if not req.output_ids and req.num_retractions == 0:
                 self.reporter.count_prompt(req)
+            if req.params.max_tokens == 0:
+                # Prompt scoring only: the prompt is complete and scored; drop the token.
+                self._finish(req, FinishReason.LENGTH)
+                outputs.append(make_output(req, finished=True))
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
             req.output_ids.append(token)

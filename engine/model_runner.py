@@ -14,6 +14,7 @@ from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
+from engine.prompt_scoring import score_prompts
 from engine.request import Req
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
@@ -173,6 +174,8 @@ class ModelRunner:
         if logits is not None:
             return self.sampler(logits, sampling, self.eos_token_ids, mask)
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
+        if not inputs.is_decode:
+            score_prompts(hidden, batch, self.model.compute_logits, self.sampler.vocab_size)
         if not sampling:
             return None
         if len(sampling) != hidden.shape[0]:

@@ -293,7 +293,9 @@ class Scheduler:
             if self.kv.req_table.free_rows == 0:
                 break
             match = self.kv.match(req)
-            if in_flight and self._should_wait(req, match.device_len, in_flight):
+            # A request scoring its prompt computes all of it: waiting would gain nothing.
+            waits = in_flight and not req.scoring_prompt
+            if waits and self._should_wait(req, match.device_len, in_flight):
                 continue  # reuse that prefill once it lands; others are not held back
             ready = self.kv.prefetch_ready(req, match)
             if ready is None:

@@ -36,6 +36,8 @@ class ServerArgs:
     port: int = 8000
     fd: int | None = None
     api_key: str | None = None
+    admin_key: str | None = None
+    metrics_public: bool = False
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_grace: float = 30.0
@@ -54,6 +56,8 @@ class ServerArgs:
             fd=self.fd,
             log_level=self.log_level,
             api_key="set" if self.api_key else "none",
+            admin_key="set" if self.admin_key else "none",
+            metrics_public=self.metrics_public,
             max_body_bytes=self.max_body_bytes,
             shutdown_grace=self.shutdown_grace,
             max_choices=self.max_choices,
@@ -64,6 +68,9 @@ class ServerArgs:
         )
         return out
 
+
+# --allowed-hosts of a server without any key: the names of this machine's loopback.
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 _FIELDS = {f.name: f for f in fields(EngineConfig)}
 
@@ -193,17 +200,28 @@ def parse_args(
         _fail(parser, f"--shutdown-grace must be >= 0, got {values['shutdown_grace']}")
     if values["max_choices"] < 1:
         _fail(parser, f"--max-choices must be >= 1, got {values['max_choices']}")
+    api_key = values["api_key"] or None
+    admin_key = values["admin_key"] or None
+    if api_key is not None and api_key == admin_key:
+        _fail(parser, "--admin-key must differ from --api-key (clients must not hold it)")
+    hosts = parse_hosts(values["allowed_hosts"])
+    if not hosts and api_key is None and admin_key is None:
+        # NOTE: a keyless server answers any page a browser loads; a DNS-rebinding page
+        # reaches it under its own host name. Loopback names only, unless asked.
+        hosts = LOCAL_HOSTS
     return ServerArgs(
         engine=engine,
         host=values["host"],
         port=values["port"],
         fd=values["fd"],
-        api_key=values["api_key"] or None,
+        api_key=api_key,
+        admin_key=admin_key,
+        metrics_public=bool(values["metrics_public"]),
         log_level=values["log_level"],
         max_body_bytes=values["max_body_bytes"],
         shutdown_grace=values["shutdown_grace"],
         max_choices=values["max_choices"],
-        allowed_hosts=parse_hosts(values["allowed_hosts"]),
+        allowed_hosts=hosts,
         enable_docs=bool(values["enable_docs"]),
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),
         tool_call_parser=values["tool_call_parser"],

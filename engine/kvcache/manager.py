@@ -9,9 +9,8 @@ from typing import Any
 import torch
 
 from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
-from engine.kvcache.radix_cache import MatchResult
 from engine.kvcache.req_table import ReqTable
-from engine.kvcache.tree_base import PrefixTree
+from engine.kvcache.tree_base import MatchResult, PrefixTree
 from engine.request import Req
 
 
@@ -121,6 +120,11 @@ class KVCacheManager:
 
     @staticmethod
     def _match_key(req: Req) -> list[int]:
+        # NOTE: a request scoring its prompt needs logits at every prompt position, and
+        # the tree keeps KV, not logits: it matches nothing and computes the whole prompt
+        # (one prefill). Its pages still land in the tree for later requests.
+        if req.scoring_prompt:
+            return []
         # The last token must be computed to get logits, so never match all of it.
         return req.all_ids[: req.seq_len - 1]
 

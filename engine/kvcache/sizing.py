@@ -68,7 +68,7 @@ def fit_pinned_tokens(tokens: int, bytes_per_token: int, page_size: int, method:
 
     NOTE: ``pin_memory`` goes through the caching host allocator, which pins the next
     power of two (47 GB asked pins 64 GiB). Where the backend cannot register pageable
-    memory instead (ROCm, NPU, XPU, torch_musa < 2.5), the tier is cut down to the largest
+    memory instead (ROCm, NPU, XPU, torch_musa < 2.1.1), the tier is cut down to the largest
     whole-page size whose bytes fit the power of two below the request, so it pins no
     more than the operator gave it.
     """
