@@ -128,6 +128,7 @@ class Engine:
             config.grammar_compile_timeout,
             self.device,
             step_budget_s=config.grammar_step_budget_ms / 1e3,
+            cache_bytes=int(config.grammar_cache_mb * 1024 * 1024),
         )
         self.runner.masker = self.grammars.masker
         self.requests: dict[str, Req] = {}
