@@ -210,6 +210,11 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "grammar_step_budget_ms",
     ),
     FlagSpec(
+        "grammar-cache-mb",
+        "MB of compiled grammars kept for reuse (least recently used go first)",
+        "grammar_cache_mb",
+    ),
+    FlagSpec(
         "max-grammar-choices",
         "most choices (prompts x n) of a request with an output constraint",
         "max_grammar_choices",
