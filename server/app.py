@@ -178,6 +178,8 @@ def create_app(
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         allowed_hosts=args.allowed_hosts,
+        admin_key=args.admin_key,
+        metrics_public=args.metrics_public,
     )
     _add_routes(app, state)
     add_fleet_routes(app, state)
@@ -190,7 +192,7 @@ def _disconnected() -> Response:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    api_key = state.args.api_key.encode("utf-8") if state.args.api_key else None
+    keys = tuple(k.encode("utf-8") for k in (state.args.api_key, state.args.admin_key) if k)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -207,8 +209,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         # A probe needs only the status; the details (model path, device, pools) are for
         # callers holding the key (all callers when the server has none).
         authorization = request.headers.get("authorization")
-        if api_key is not None and not bearer_matches(
-            authorization.encode("latin-1") if authorization else None, api_key
+        if keys and not bearer_matches(
+            authorization.encode("latin-1") if authorization else None, *keys
         ):
             return JSONResponse({"status": "ok"})
         info = await asyncio.to_thread(state.engine.health)

@@ -147,6 +147,14 @@ class EngineClient:
     def max_stop_token_ids(self) -> int:
         return int(getattr(self.engine.config, "max_stop_token_ids", 256))
 
+    @property
+    def max_grammar_choices(self) -> int:
+        return int(getattr(self.engine.config, "max_grammar_choices", 8))
+
+    @property
+    def max_logprob_entries(self) -> int:
+        return int(getattr(self.engine.config, "max_logprob_entries", 1 << 20))
+
     # ---------------------------------------------------------------- tokenizer
     async def _in_worker(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

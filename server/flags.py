@@ -176,11 +176,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
     FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
+    FlagSpec("max-stop-chars", "longest stop string, in characters", "max_stop_chars"),
     FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),
     FlagSpec(
         "max-logprobs",
         "most logprobs / top_logprobs a request may ask for (vLLM's max_logprobs)",
         "max_logprobs",
+    ),
+    FlagSpec(
+        "max-logprob-entries",
+        "most logprob entries one request may return: choices x max_tokens x (1 + top_logprobs)",
+        "max_logprob_entries",
     ),
     FlagSpec(
         "max-queued-outputs",
@@ -197,6 +203,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "seconds a structured-output request may wait for its grammar to compile",
         "grammar_compile_timeout",
     ),
+    FlagSpec(
+        "grammar-step-budget-ms",
+        "milliseconds of grammar work (mask fill + accept) a constrained request may take "
+        "per token; past it the request ends with an error",
+        "grammar_step_budget_ms",
+    ),
+    FlagSpec(
+        "max-grammar-choices",
+        "most choices (prompts x n) of a request with an output constraint",
+        "max_grammar_choices",
+    ),
     # server-only
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),
@@ -209,9 +226,25 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "api-key",
-        "require 'Authorization: Bearer <key>' on /v1 and admin routes",
+        "the client key: require 'Authorization: Bearer <key>' on /v1 and /metrics (and on "
+        "the admin routes when --admin-key is unset); prefer the environment variable, which "
+        "`ps` does not show",
         kind="str",
         optional=True,
+    ),
+    FlagSpec(
+        "admin-key",
+        "the fleet's router/replica key: the only key that opens /flush_cache, /server_info, "
+        "/model_info and /v1/loads, and it opens every other route too; give the router "
+        "this key, and clients --api-key",
+        kind="str",
+        optional=True,
+    ),
+    FlagSpec(
+        "metrics-public",
+        "serve /metrics without a key (for a scraper that cannot send one)",
+        kind="bool",
+        default=False,
     ),
     FlagSpec(
         "cached-tokens-scope",
@@ -243,7 +276,8 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "allowed-hosts",
-        "comma-separated Host header values accepted (DNS-rebinding guard); empty: any",
+        "comma-separated Host header values accepted (DNS-rebinding guard; '*': any); "
+        "unset: any when a key is set, else localhost, 127.0.0.1 and [::1] only",
         kind="str",
         optional=True,
     ),

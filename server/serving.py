@@ -144,6 +144,16 @@ def make_plan(
     ``authorization``: the caller's Authorization header, for ``--cached-tokens-scope``.
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
+    if grammar is not None and plan.num_choices > client.max_grammar_choices:
+        raise APIError(
+            400,
+            f"this request asks for {plan.num_choices} constrained choices ({grammar.param}); "
+            f"at most {client.max_grammar_choices} are allowed (--max-grammar-choices). "
+            "Lower n or split the request.",
+            param="n",
+            code="too_many_choices",
+        )
+    entries = 0  # logprob entries the whole response may carry
     stop_token_ids = frozenset(req.stop_token_ids or ())
     for prompt in prompts:
         base = sampling_params(
@@ -156,12 +166,25 @@ def make_plan(
         )
         base.grammar = grammar
         client.validate(prompt, base, prompt_param)
+        if logprobs is not None:
+            entries += plan.n * base.max_tokens * (1 + logprobs)
         for sample in range(plan.n):
             if req.seed is None:
                 plan.params.append(base)
             else:
                 seed = (req.seed + sample) % SEED_MOD
                 plan.params.append(dataclasses.replace(base, seed=seed))
+    if entries > client.max_logprob_entries:
+        param = "top_logprobs" if prompt_param == "messages" else "logprobs"
+        raise APIError(
+            400,
+            f"this request may return {entries} logprob entries ({plan.num_choices} choices x "
+            f"max_tokens x (1 + {param}={logprobs})); at most {client.max_logprob_entries} "
+            "are allowed (--max-logprob-entries). Lower n, max_tokens or "
+            f"{param}.",
+            param=param,
+            code="too_many_logprobs",
+        )
     plan.own_tokens = client.cache_report.own_prefixes(authorization, prompts)
     return plan
 
