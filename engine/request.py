@@ -41,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per generated token; 0: chosen only
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: the text must match it
+    # The API request this engine request is one copy of (n > 1, or several prompts): the
+    # scheduler takes turns between groups instead of admitting a whole group first.
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -110,6 +110,7 @@ def create_app(
                 engine,
                 args.tool_call_parser,
                 max_choices=args.max_choices,
+                max_choice_prompt_tokens=args.max_choice_prompt_tokens,
                 trust_special_tokens=args.trust_message_special_tokens,
             )
             print(summary_line(args, engine.health()), flush=True)

@@ -48,6 +48,7 @@ class ServerArgs:
     send_buffer_bytes: int = 64 * 1024
     shutdown_grace: float = 30.0
     max_choices: int = 256
+    max_choice_prompt_tokens: int = 131072
     allowed_hosts: tuple[str, ...] = ()  # empty: any Host header
     enable_docs: bool = False
     trust_message_special_tokens: bool = False
@@ -73,6 +74,7 @@ class ServerArgs:
             send_buffer_bytes=self.send_buffer_bytes,
             shutdown_grace=self.shutdown_grace,
             max_choices=self.max_choices,
+            max_choice_prompt_tokens=self.max_choice_prompt_tokens,
             allowed_hosts=",".join(self.allowed_hosts) or "any",
             enable_docs=self.enable_docs,
             trust_message_special_tokens=self.trust_message_special_tokens,
@@ -212,7 +214,13 @@ def parse_args(
         _fail(parser, f"--shutdown-grace must be >= 0, got {values['shutdown_grace']}")
     if values["max_choices"] < 1:
         _fail(parser, f"--max-choices must be >= 1, got {values['max_choices']}")
-    for name in ("max_connections", "header_timeout", "body_timeout", "send_timeout"):
+    for name in (
+        "max_choice_prompt_tokens",
+        "max_connections",
+        "header_timeout",
+        "body_timeout",
+        "send_timeout",
+    ):
         if values[name] <= 0:
             _fail(parser, f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
     for name in ("max_connections_per_client", "send_buffer_bytes"):
@@ -245,6 +253,7 @@ def parse_args(
         send_buffer_bytes=values["send_buffer_bytes"],
         shutdown_grace=values["shutdown_grace"],
         max_choices=values["max_choices"],
+        max_choice_prompt_tokens=values["max_choice_prompt_tokens"],
         allowed_hosts=hosts,
         enable_docs=bool(values["enable_docs"]),
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),

@@ -276,6 +276,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         default=256,
     ),
     FlagSpec(
+        "max-choice-prompt-tokens",
+        "most prompt tokens summed over a request's choices (prompt length x n, over "
+        "every prompt) when it has more than one; each copy's prefill reads its prompt",
+        kind="int",
+        default=131072,
+    ),
+    FlagSpec(
         "allowed-hosts",
         "comma-separated Host header values accepted (DNS-rebinding guard; '*': any); "
         "unset: any when a key is set, else localhost, 127.0.0.1 and [::1] only",
