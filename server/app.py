@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
 from server.args import ServerArgs
+from server.cache_report import CacheReport
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
 from server.errors import APIError, error_response, install_error_handlers, new_error_id
 from server.fleet_info import add_fleet_routes
@@ -112,6 +113,7 @@ def create_app(
                 max_choices=args.max_choices,
                 max_choice_prompt_tokens=args.max_choice_prompt_tokens,
                 trust_special_tokens=args.trust_message_special_tokens,
+                cache_report=CacheReport(args.cached_tokens_scope),
             )
             print(summary_line(args, engine.health()), flush=True)
             watch = getattr(engine, "watch_fatal", None)
