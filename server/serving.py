@@ -144,6 +144,16 @@ def make_plan(
     ``authorization``: the caller's Authorization header, for ``--cached-tokens-scope``.
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
+    copied = sum(len(p) for p in prompts) * plan.n
+    if plan.num_choices > 1 and copied > client.max_choice_prompt_tokens:
+        raise APIError(
+            400,
+            f"this request's {plan.num_choices} choices read {copied} prompt tokens in all "
+            f"(prompt length x n={plan.n}); at most {client.max_choice_prompt_tokens} are "
+            "allowed per request (--max-choice-prompt-tokens). Lower n, or shorten the prompt.",
+            param="n",
+            code="too_many_prompt_tokens",
+        )
     if grammar is not None and plan.num_choices > client.max_grammar_choices:
         raise APIError(
             400,
@@ -165,6 +175,7 @@ def make_plan(
             stop_token_ids=stop_token_ids,
         )
         base.grammar = grammar
+        base.group = base_id  # every copy shares ``base``: the scheduler takes turns
         client.validate(prompt, base, prompt_param)
         if logprobs is not None:
             entries += plan.n * base.max_tokens * (1 + logprobs)
