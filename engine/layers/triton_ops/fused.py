@@ -134,7 +134,7 @@ def use_triton_fused_ops(model: nn.Module) -> int:
         elif type(module) is GatedMLP and module.activation == "silu":
             module.act_mul = silu_mul
         elif getattr(module, "rotary_fn", None) is apply_rotary:
-            module.rotary_fn = rotary
+            setattr(module, "rotary_fn", rotary)  # noqa: B010 (an nn.Module attribute)
         else:
             continue
         switched += 1
