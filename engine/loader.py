@@ -67,6 +67,15 @@ def default_gguf_path() -> Path:
     return found[0]
 
 
+def gguf_file_of(model: str) -> Path | None:
+    """The GGUF file behind ``--model`` (``default`` or a ``.gguf`` path), else None."""
+    if model == DEFAULT_MODEL:
+        return default_gguf_path()
+    if model.lower().endswith(".gguf"):
+        return Path(model).expanduser().resolve()
+    return None
+
+
 def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
     """Turn ``--model`` into a local HF-format directory, converting a GGUF file once.
 
@@ -302,14 +311,17 @@ def load_model(
     dtype: torch.dtype,
     attention_backend: str = "auto",
     tp: TPShard | None = None,
+    gguf_path: Path | None = None,
 ) -> nn.Module:
     """Build the registered model class for ``path`` on ``device`` in ``dtype``, load weights, eval().
 
     ``tp``: build and load only this tensor-parallel rank's part (engine/models/tp_shard.py);
     ``model.config`` is then the rank's share of the config. On the CPU the linear layers
     switch to oneDNN-packed weights (set ``HISERVE_CPU_ONEDNN=0`` to keep ``F.linear``).
+    ``gguf_path``: the GGUF that ``path`` was converted from; on the CPU its linear and
+    embedding weights then stay in their GGUF blocks (``gguf_packed``).
     """
-    from engine.models import tp_shard
+    from engine.models import gguf_packed, tp_shard
 
     device = torch.device(device) if isinstance(device, str) else device
     hf_config = load_hf_config(path)
@@ -323,10 +335,17 @@ def load_model(
             tp_shard.use_row_parallel(model, tp)
         else:
             model = model_cls(hf_config, backend)
+    source = gguf_packed.packed_source(gguf_path, device, sharded)
+    plan = gguf_packed.plan_packed(source, Path(path), model) if source is not None else None
+    if plan is not None:
+        gguf_packed.prepare(model, plan)
     model = model.to(dtype=dtype).to_empty(device=device)
     if tp is not None and sharded:
         slicer = tp_shard.CheckpointSlicer(hf_config, tp)
         load_named_weights(model, iter_safetensors(path), model.map_name, slicer)
+    elif plan is not None:
+        model.load_weights(gguf_packed.iter_weights(Path(path), plan))
+        gguf_packed.finish(model, plan)
     else:
         model.load_weights(iter_safetensors(path))
     # Decode-size matmuls in the native GEMV kernel on float32 CPU models (HISERVE_CPU_GEMV=0:

@@ -111,11 +111,12 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         new_token_ratio: float = 0.5,
+        mixed: bool | None = None,
     ) -> None:
         self.config = config
-        # Whether decodes and prefill chunks share a forward; the engine settles auto (None)
-        # once it knows whether decode steps replay device graphs.
-        self.mixed = config.enable_mixed_batches is not False
+        # Whether decodes and prefill chunks share a forward; the engine's build settles
+        # auto (None) once it knows whether decode steps replay device graphs.
+        self.mixed = config.enable_mixed_batches is not False if mixed is None else mixed
         self.kv = kv
         self.max_model_len = max_model_len
         self.new_token_ratio = new_token_ratio
@@ -292,7 +293,9 @@ class Scheduler:
             if self.kv.req_table.free_rows == 0:
                 break
             match = self.kv.match(req)
-            if in_flight and self._should_wait(req, match.device_len, in_flight):
+            # A request scoring its prompt computes all of it: waiting would gain nothing.
+            waits = in_flight and not req.scoring_prompt
+            if waits and self._should_wait(req, match.device_len, in_flight):
                 continue  # reuse that prefill once it lands; others are not held back
             ready = self.kv.prefetch_ready(req, match)
             if ready is None:

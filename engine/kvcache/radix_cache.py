@@ -6,11 +6,12 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.tree_base import PrefixTree
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -77,7 +78,7 @@ class MatchResult(NamedTuple):
         return int(self.device_slots.numel())
 
 
-class RadixCache:
+class RadixCache(PrefixTree):
     """Prefix cache with lock counts and LRU eviction of unlocked leaves.
 
     NOTE: every device slot is exactly one of free (allocator), owned by a running
@@ -99,10 +100,6 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.cached_tokens = 0  # device tokens held by nodes
         self.protected_tokens = 0  # device tokens held by locked nodes
-
-    @property
-    def evictable_tokens(self) -> int:
-        return self.cached_tokens - self.protected_tokens
 
     def _page_key(self, key: list[int], start: int = 0) -> tuple[int, ...]:
         return tuple(key[start : start + self.page_size])
@@ -216,33 +213,6 @@ class RadixCache:
             node = child
             pos += matched
         return already
-
-    def load_back(self, match: MatchResult) -> MatchResult:
-        """Bring the host-only part of ``match`` to the device (HiCache overrides this).
-
-        Returns a longer match on success, or ``match`` unchanged (then it is recomputed).
-        """
-        return match
-
-    def take_load_handles(self) -> list[Any]:
-        """Host-to-device copies issued since the last call (HiCache); the next forward
-        waits for each of them layer by layer before reading KV."""
-        return []
-
-    # L3 prefetch (HiCache with a store overrides these; a plain tree has nothing to read)
-    def start_prefetch(self, match: MatchResult, key: list[int]) -> Any:
-        """Start reading stored pages that continue ``match``; None: nothing to read."""
-        return None
-
-    def prefetch_done(self, prefetch: Any) -> bool:
-        return True
-
-    def finish_prefetch(self, prefetch: Any, key: list[int]) -> int:
-        """Tokens a decided prefetch added to the tree."""
-        return 0
-
-    def cancel_prefetch(self, prefetch: Any) -> None:
-        """Give up a prefetch whose request left."""
 
     def _on_insert_node(self, node: TreeNode) -> None:
         """Hook for the host tier (write-through backup)."""

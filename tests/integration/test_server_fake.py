@@ -157,7 +157,8 @@ def test_auth_and_routes(fake: Fake) -> None:
         assert resp.status_code == 401
         assert resp.json()["error"]["type"] == "authentication_error"
     assert httpx.post(srv.base_url + "/flush_cache").status_code == 401
-    assert httpx.get(srv.base_url + "/metrics").status_code == 200
+    assert httpx.get(srv.base_url + "/metrics").status_code == 401  # follows the key
+    assert httpx.get(srv.base_url + "/metrics", headers=_auth()).status_code == 200
     resp = httpx.get(srv.base_url + "/v1/nope", headers=_auth())
     assert resp.status_code == 404 and "error" in resp.json()
     assert httpx.post(srv.base_url + "/flush_cache", headers=_auth()).json() == {"flushed": True}
@@ -233,7 +234,7 @@ def test_held_stream_stays_live(fake: Fake, tools: SimpleNamespace) -> None:
 def test_metrics_names(fake: Fake, tools: SimpleNamespace) -> None:
     _, srv = fake
     _client(srv).completions.create(model="fake-model", prompt="x", max_tokens=2)
-    text = httpx.get(srv.base_url + "/metrics").text
+    text = httpx.get(srv.base_url + "/metrics", headers=_auth()).text
     assert tools.metric_value(text, "hiserve:kv_total_tokens", 'tier="device"') == 4096
     assert tools.metric_value(text, "hiserve:prompt_tokens_total") == 10
     assert tools.metric_value(text, "hiserve:cached_prompt_tokens_total", 'source="device"') == 4

@@ -1,0 +1,175 @@
+"""GGUF block-quantized weights kept packed on the CPU (csrc/quant_cpu.cpp).
+
+A ``QuantTensor`` is one GGUF tensor's bytes, ``[rows, row_bytes]`` uint8, as the file
+lays them out: each row a run of ggml blocks. A ``PackedWeight`` is what a ``FusedLinear``
+holds instead of a dense weight: row segments (q, k, v; gate, up), each one ggml type,
+multiplied by the native kernel that dequantizes in registers and accumulates in float32.
+A decode step then reads the packed bytes (4.5-8.5 bits a weight) instead of 32 bits.
+
+Built like the other native kernels (see ``cpu_kernels``): once, on first use. Where it
+cannot be built the loader dequantizes the GGUF at load instead, and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.layers.cpu_kernels import NativeExtension
+
+logger = logging.getLogger(__name__)
+
+# ggml type id -> (name, weights per block, bytes per block): the types kept packed.
+PACKED_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+# Set to 0 to dequantize GGUF weights at load as before (for comparisons).
+ENV_SWITCH = "HISERVE_GGUF_PACKED"
+
+_QUANT = NativeExtension(
+    "quant_cpu.cpp",
+    "hiserve_quant_cpu",
+    "native CPU kernel for packed GGUF weights",
+    "GGUF weights are dequantized at load instead. It needs a C++ compiler and ninja "
+    "(pip install 'hiserve[cpu]').",
+    logger,
+    avx512=True,
+)
+
+
+def quant_kernel() -> Any | None:
+    """The compiled module (``qmatmul``, ``dequantize``, ``ISA``), or None when it cannot
+    be built here."""
+    return _QUANT.load()
+
+
+def build_error() -> str | None:
+    """Why the kernel could not be built (None if it was, or was never tried)."""
+    return _QUANT.error
+
+
+def type_name(qtype: int) -> str:
+    return PACKED_TYPES[qtype][0] if qtype in PACKED_TYPES else f"ggml type {qtype}"
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """One GGUF tensor kept packed: ``data`` is ``[rows, row_bytes]`` uint8 of ggml blocks
+    of type ``qtype`` holding ``cols`` weights per row."""
+
+    qtype: int
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self) -> None:
+        _, block, size = PACKED_TYPES[self.qtype]
+        if self.cols % block or tuple(self.data.shape[1:]) != (self.cols // block * size,):
+            raise ValueError(
+                f"{type_name(self.qtype)} data {tuple(self.data.shape)} does not hold "
+                f"{self.cols} columns in blocks of {block}"
+            )
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """``[rows, cols]`` float32."""
+        kernel = _require_kernel()
+        return kernel.dequantize(self.data, self.qtype, self.cols)
+
+
+def _require_kernel() -> Any:
+    kernel = quant_kernel()
+    if kernel is None:
+        raise RuntimeError(f"the packed-weight kernel is unavailable: {build_error()}")
+    return kernel
+
+
+class PackedWeight:
+    """The packed weight of a ``[out_features, in_features]`` linear layer: row segments,
+    each a ``QuantTensor`` (adjacent segments of one type are merged by ``finish``)."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        self.out_features = out_features
+        self.in_features = in_features
+        self._parts: dict[int, QuantTensor] = {}  # first row -> segment
+        self._kernel: Any | None = None
+
+    def put(self, start: int, part: QuantTensor) -> None:
+        """Rows ``[start, start + part.rows)`` of the weight."""
+        if part.cols != self.in_features or start + part.rows > self.out_features:
+            raise ValueError(
+                f"packed shard {part.shape} at row {start} does not fit a "
+                f"[{self.out_features}, {self.in_features}] weight"
+            )
+        self._parts[start] = part
+        self._kernel = None
+
+    @property
+    def segments(self) -> list[tuple[int, QuantTensor]]:
+        return sorted(self._parts.items(), key=lambda item: item[0])
+
+    def finish(self) -> None:
+        """Check every row is covered once and merge adjacent same-type segments (one
+        kernel call for q, k and v when they share a type)."""
+        merged: list[tuple[int, QuantTensor]] = []
+        row = 0
+        for start, part in self.segments:
+            if start != row:
+                raise ValueError(f"packed weight rows {row}..{start} are missing or overlap")
+            if merged and merged[-1][1].qtype == part.qtype:
+                first, prev = merged[-1]
+                data = torch.cat([prev.data, part.data])
+                merged[-1] = (first, QuantTensor(part.qtype, data, part.cols))
+            else:
+                merged.append((start, part))
+            row = start + part.rows
+        if row != self.out_features:
+            raise ValueError(f"packed weight has rows up to {row} of {self.out_features}")
+        self._parts = dict(merged)
+        self._kernel = _require_kernel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.data.numel() for part in self._parts.values())
+
+    def type_names(self) -> list[str]:
+        return [type_name(part.qtype) for _, part in self.segments]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in] @ W^T (+ bias)`` -> ``[T, out]`` in ``x``'s dtype (float32 inside)."""
+        if self._kernel is None:
+            self.finish()
+        kernel: Any = self._kernel
+        x32 = x.float() if x.dtype != torch.float32 else x
+        out = torch.empty(x32.shape[0], self.out_features, dtype=torch.float32)
+        for start, part in self._parts.items():
+            kernel.qmatmul(x32, part.data, part.qtype, out.narrow(1, start, part.rows))
+        if bias is not None:
+            out += bias
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ([T] int64) dequantized, ``[T, in]`` float32: an embedding lookup."""
+        if len(self._parts) != 1:
+            raise ValueError("an embedding lookup needs a packed table of one type")
+        (part,) = self._parts.values()
+        kernel = _require_kernel()
+        return kernel.dequantize(part.data.index_select(0, ids), part.qtype, part.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight, ``[out, in]`` float32."""
+        return torch.cat([part.dequantize() for _, part in self.segments])

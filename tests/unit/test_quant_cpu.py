@@ -1,0 +1,146 @@
+"""The packed-GGUF kernel (csrc/quant_cpu.cpp) against the ``gguf`` library.
+
+Random blocks of every packed type (Q8_0/Q4_0/Q4_1 quantized by ``gguf.quants.quantize``;
+the K-quants, which gguf-py cannot quantize, as random bytes with sane scales), checked
+against ``gguf.quants.dequantize`` followed by a float64 matmul: the register path (1-4
+tokens), the tiled path (more), odd row counts, strided outputs. Tolerance: each output
+within 1e-5 of the sum of |w * x| over its row (float32 summation error, order aside).
+The same checks run on the build this CPU picks (AVX-512 here) and on an AVX2 build
+forced by reporting an AVX2 CPU to the build flags.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.layers import cpu_kernels, quant_cpu
+from engine.layers.quant_cpu import PACKED_TYPES, PackedWeight, QuantTensor
+from tests.unit.quant_blocks import random_blocks
+
+REL_TOL = 1e-5
+
+
+def reference(blocks: np.ndarray, qtype: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W^T in float64 with W from gguf's dequantize, |x| @ |W|^T: the error scale)."""
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)))
+    w64, x64 = w.double(), x.double()
+    return (x64 @ w64.T).float(), (x64.abs() @ w64.abs().T).float()
+
+
+def _avx2_build(monkeypatch: pytest.MonkeyPatch) -> Any:
+    # The flags come from the CPU capability torch reports: report AVX2 to get the
+    # fallback build (a different extension name, so both builds live side by side).
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    ext = cpu_kernels.NativeExtension(
+        "quant_cpu.cpp", "hiserve_quant_cpu", "packed kernel (AVX2)", "-", quant_cpu.logger, True
+    )
+    return ext.load()
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def kernel(request: pytest.FixtureRequest) -> Any:
+    if request.param == "native":
+        module = quant_cpu.quant_kernel()
+        assert module is not None, quant_cpu.build_error()
+        if torch.backends.cpu.get_cpu_capability() == "AVX512":
+            assert module.ISA == "avx512"
+        return module
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        module = _avx2_build(monkeypatch)
+    assert module is not None
+    assert module.ISA == "avx2"
+    return module
+
+
+@pytest.mark.parametrize("qtype", sorted(PACKED_TYPES), ids=lambda q: PACKED_TYPES[q][0])
+def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> None:
+    block = PACKED_TYPES[qtype][1]
+    rows, cols = 67, 2 * max(block, 256)
+    blocks = random_blocks(qtype, rows, cols, seed=qtype)
+    data = torch.from_numpy(blocks)
+    expected_w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype))
+    torch.testing.assert_close(
+        kernel.dequantize(data, qtype, cols), torch.from_numpy(expected_w), rtol=1e-6, atol=1e-7
+    )
+    gen = torch.Generator().manual_seed(qtype)
+    for tokens in (1, 2, 3, 4, 5, 33):
+        x = torch.randn(tokens, cols, generator=gen)
+        want, scale = reference(blocks, qtype, x)
+        wide = torch.full((tokens, rows + 9), float("nan"))
+        out = wide[:, 4 : 4 + rows]  # a strided view: the kernel writes only its columns
+        kernel.qmatmul(x, data, qtype, out)
+        assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (
+            tokens,
+            (out - want).abs().max(),
+        )
+        assert wide[:, :4].isnan().all() and wide[:, 4 + rows :].isnan().all()
+
+
+def test_bad_arguments_are_refused(kernel: Any) -> None:
+    data = torch.from_numpy(random_blocks(3, 4, 64, seed=1))  # Q4_1, row_bytes 40
+    out = torch.empty(1, 4)
+    with pytest.raises(RuntimeError, match="not supported packed"):
+        kernel.qmatmul(torch.randn(1, 64), data, 6, out)
+    with pytest.raises(RuntimeError, match="not a multiple of the block length"):
+        kernel.qmatmul(torch.randn(1, 48), data, 3, out)
+    with pytest.raises(RuntimeError, match="weight rows hold 40 bytes"):
+        kernel.qmatmul(torch.randn(1, 96), data, 3, out)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        kernel.qmatmul(torch.randn(1, 64).double(), data, 3, out)
+
+
+def test_packed_weight_merges_segments_and_adds_bias() -> None:
+    cols = 64
+    parts = [
+        random_blocks(qtype, rows, cols, seed=rows) for qtype, rows in ((3, 8), (3, 4), (8, 5))
+    ]
+    packed = PackedWeight(17, cols)
+    start = 0
+    for qtype, blocks in zip((3, 3, 8), parts):
+        packed.put(start, QuantTensor(qtype, torch.from_numpy(blocks), cols))
+        start += blocks.shape[0]
+    packed.finish()
+    assert packed.type_names() == ["Q4_1", "Q8_0"]  # the two Q4_1 shards are one segment
+    dense = torch.cat(
+        [
+            torch.from_numpy(gguf.quants.dequantize(b, gguf.GGMLQuantizationType(q)))
+            for q, b in zip((3, 3, 8), parts)
+        ]
+    )
+    torch.testing.assert_close(packed.dequantize(), dense)
+    x, bias = torch.randn(3, cols), torch.randn(17)
+    torch.testing.assert_close(packed.matmul(x, bias), x @ dense.T + bias, rtol=1e-4, atol=1e-4)
+    got_bf16 = packed.matmul(x.bfloat16(), None)
+    assert got_bf16.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="one type"):
+        packed.rows_float(torch.tensor([0]))
+    table = PackedWeight(12, cols)
+    table.put(0, QuantTensor(3, torch.from_numpy(np.concatenate(parts[:2])), cols))
+    ids = torch.tensor([11, 0, 9])
+    torch.testing.assert_close(table.rows_float(ids), dense[ids])
+
+
+def test_packed_weight_refuses_gaps() -> None:
+    packed = PackedWeight(16, 32)
+    packed.put(8, QuantTensor(8, torch.from_numpy(random_blocks(8, 8, 32, seed=0)), 32))
+    with pytest.raises(ValueError, match=r"rows 0\.\.8 are missing"):
+        packed.finish()
+    with pytest.raises(ValueError, match="does not fit"):
+        packed.put(12, QuantTensor(8, torch.from_numpy(random_blocks(8, 8, 32, seed=0)), 32))
+
+
+def test_batched_path_under_inference_mode(kernel: Any) -> None:
+    # The engine runs in inference mode; threads the kernel starts must not touch its
+    # tensors through ATen ops (their own mode is off, so an in-place op raises).
+    blocks = random_blocks(3, 300, 64, seed=2)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1))
+    with torch.inference_mode():
+        x = torch.randn(9, 64)
+        out = torch.empty(9, 300)
+        kernel.qmatmul(x, torch.from_numpy(blocks), 3, out)
+    torch.testing.assert_close(out, x @ want.T, rtol=1e-4, atol=1e-4)
