@@ -84,3 +84,16 @@ def test_model_with_fused_ops_gives_the_same_logits(monkeypatch: pytest.MonkeyPa
     assert model.model.layers[0].self_attn.rotary_fn is fused.rotary
     torch.testing.assert_close(mlp(x), expected_mlp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(norm.add_forward(x, x)[0], expected_norm, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_rows_of_strided_views_to_their_slots(dtype: torch.dtype) -> None:
+    qkv = torch.randn(4, 3 + 2 * 2, 8).to(dtype)  # [T, q + k + v heads, D]
+    k, v = qkv[:, 3:5], qkv[:, 5:]
+    k_cache, v_cache = torch.zeros(20, 2, 8, dtype=dtype), torch.zeros(20, 2, 8, dtype=dtype)
+    slots = torch.tensor([7, 2, 19, 11])
+    fused.store_kv(k, v, slots, k_cache, v_cache)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()

@@ -140,3 +140,40 @@ def use_triton_fused_ops(model: nn.Module) -> int:
         switched += 1
     logger.info("fused Triton kernels in use in %d layers", switched)
     return switched
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_cs, stride_ch, stride_ds, stride_dh, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, BLOCK)
+    ok = dims < HEAD_DIM
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=ok)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=ok)
+    tl.store(k_cache_ptr + slot * stride_cs + head * stride_ch + dims, k, mask=ok)
+    tl.store(v_cache_ptr + slot * stride_ds + head * stride_dh + dims, v, mask=ok)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, kv_heads, D] (any row strides)
+    v: torch.Tensor,  # [T, kv_heads, D]
+    slots: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,  # [slots, kv_heads, D]
+    v_cache: torch.Tensor,
+) -> None:
+    """Write the new tokens' K and V rows to their pool slots in one launch (in place of
+    two ``index_put_``)."""
+    num_tokens, kv_heads, head_dim = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(2) == 1
+    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
+    if num_tokens:
+        _store_kv_kernel[(num_tokens, kv_heads)](
+            k, v, slots, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim),
+        )  # fmt: skip
