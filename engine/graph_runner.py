@@ -41,7 +41,7 @@ from engine.kv_setup import KVSetup
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
-from engine.layers.moe import SparseMoE
+from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS, SparseMoE
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +59,25 @@ INPUT_ROWS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")
 PAD_VALUES = (0, 0, 0, 0, 1)
 
 
-def graph_blockers(model: torch.nn.Module) -> list[str]:
-    """Why a decode step of ``model`` cannot be captured (empty: it can).
+def graph_blockers(model: torch.nn.Module, max_batch: int = 1) -> list[str]:
+    """Why a decode step of ``model`` (up to ``max_batch`` rows) cannot be captured
+    (empty: it can).
 
     Captured work must not read tensor values on the host nor take shapes from per-step
-    Python values; windowed attention loops over sequences with their own lengths, and
-    MoE routing reads the chosen experts back to the host.
+    Python values; windowed PyTorch attention loops over sequences with their own
+    lengths, and MoE routing past DEVICE_ROUTING_MAX_TOKENS reads the chosen experts back
+    to the host.
     """
     reasons: set[str] = set()
     for module in model.modules():
         backend = getattr(module, "attn_backend", None)
         if backend is not None and not getattr(backend, "graph_safe_decode", False):
             reasons.add(f"attention backend {backend.name!r} sizes its work per sequence")
-        if isinstance(module, SparseMoE):
-            reasons.add("mixture-of-experts routing reads the chosen experts on the host")
+        if isinstance(module, SparseMoE) and max_batch > DEVICE_ROUTING_MAX_TOKENS:
+            reasons.add(
+                f"mixture-of-experts routing reads the chosen experts on the host past "
+                f"{DEVICE_ROUTING_MAX_TOKENS} tokens (--cuda-graph-max-bs to stay under it)"
+            )
     return sorted(reasons)
 
 
@@ -360,15 +365,15 @@ def build_decode_graphs(
             config.tensor_parallel_size,
         )
         return None
-    blockers = graph_blockers(model)
+    max_batch = min(
+        config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests
+    )
+    blockers = graph_blockers(model, max_batch)
     if blockers:
         logger.warning(
             "device graphs: off for this model (%s); decode runs eagerly", "; ".join(blockers)
         )
         return None
-    max_batch = min(
-        config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests
-    )
     runner = DecodeGraphRunner(
         model, kv.device_pool, kv.req_table, device, max_batch, api=api, spec=spec
     )

@@ -82,6 +82,7 @@ def _abandon(api: platform.GraphApi, spec: platform.DeviceSpec, graph: Any, main
     attempt("synchronizing", lambda: platform.synchronize(spec))
 
 
+@torch.inference_mode()  # as serving runs them
 def capture_at_start(runner: DecodeGraphRunner, check: bool = True) -> str | None:
     """Capture every batch bucket, largest first (later, smaller graphs reuse its pool
     memory), and check each replay once against eager; the failure reason, or None."""
@@ -129,9 +130,8 @@ def check_replay(runner: DecodeGraphRunner, batch: int) -> str | None:
     vocab = int(runner.model.model.embed_tokens.shape[0])
     input_ids = [(17 + 31 * b) % vocab for b in rows]
     positions, seq_lens = [1] * batch, [2] * batch
-    with torch.inference_mode():
-        eager = _eager_logits(runner, input_ids, positions, new, rows, seq_lens)
-        logits = runner.run(input_ids, positions, new, rows, seq_lens)
+    eager = _eager_logits(runner, input_ids, positions, new, rows, seq_lens)
+    logits = runner.run(input_ids, positions, new, rows, seq_lens)
     assert logits is not None, "run() after capture returns logits"
     replayed = logits.float()
     tolerance = REPLAY_TOLERANCE.get(pool.dtype, 1e-2)

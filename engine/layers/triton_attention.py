@@ -31,9 +31,10 @@ class TritonAttentionBackend(AttentionBackend):
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         # Imported here: the engine runs without the triton package everywhere else.
-        from engine.layers.triton_ops import paged_attention
+        from engine.layers.triton_ops import fused, paged_attention
 
         self._kernel = paged_attention.paged_attention
+        self._store = fused.store_kv
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.scale = scale
@@ -43,6 +44,17 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> TritonAttentionBackend:
         """The same kernel with a layer's window, soft-capping and scale."""
         return TritonAttentionBackend(sliding_window, softcap, scale)
+
+    def _store_kv(
+        self,
+        layer_id: int,
+        meta: AttentionMetadata,
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        kv_pool: DeviceKVPool,
+    ) -> None:
+        # K and V rows in one launch instead of two index_put_.
+        self._store(k, v, meta.out_slots, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id])
 
     def forward(
         self,

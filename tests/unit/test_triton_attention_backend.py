@@ -51,6 +51,7 @@ def test_forward_matches_reference(
     for layer in range(LAYERS):
         got = backend.forward(q, k, v, layer, meta, pool)
         torch.testing.assert_close(pool.k_buffers[layer][meta.out_slots], k)
+        torch.testing.assert_close(pool.v_buffers[layer][meta.out_slots], v)
         want = reference(pool, layer, meta, q)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 

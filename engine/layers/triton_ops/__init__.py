@@ -42,3 +42,19 @@ def unavailable_reason(device: torch.device) -> str | None:
     if target is None:
         return "triton reports no current target"
     return None
+
+
+# Set to 0 to keep the PyTorch element-wise ops on GPUs too (for comparisons).
+FUSED_ENV_SWITCH = "HISERVE_TRITON_FUSED"
+
+
+def use_fused_ops(model: torch.nn.Module, device: torch.device) -> int:
+    """Switch ``model``'s RMSNorm, SwiGLU and RoPE to the fused Triton kernels on a GPU
+    where Triton runs; how many layers switched (0 on the CPU, which has its own)."""
+    if device.type not in TRITON_DEVICE_TYPES or os.environ.get(FUSED_ENV_SWITCH) == "0":
+        return 0
+    if unavailable_reason(device) is not None:
+        return 0  # the attention backend choice logs why
+    from engine.layers.triton_ops.fused import use_triton_fused_ops
+
+    return use_triton_fused_ops(model)
