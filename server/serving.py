@@ -128,6 +128,7 @@ def make_plan(
     logprobs: int | None,
     prompt_param: str,
     grammar: GrammarSpec | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Plan:
     """Validate once per prompt up front, so a bad field fails before anything is queued.
 
@@ -136,6 +137,10 @@ def make_plan(
 
     ``grammar``: the output constraint every choice follows (each engine request gets
     its own matcher; the spec itself is shared).
+
+    ``prompt_logprobs``: score each prompt with this top-N. Only the first choice of a
+    prompt scores it (scoring computes the whole prompt; the other choices reuse that
+    KV), unless max_tokens is 0, where scoring is all a choice does.
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
     stop_token_ids = frozenset(req.stop_token_ids or ())
@@ -149,13 +154,17 @@ def make_plan(
             stop_token_ids=stop_token_ids,
         )
         base.grammar = grammar
+        base.prompt_logprobs = prompt_logprobs
         client.validate(prompt, base, prompt_param)
+        rest = base
+        if prompt_logprobs is not None and base.max_tokens > 0:
+            rest = dataclasses.replace(base, prompt_logprobs=None)
         for sample in range(plan.n):
-            if req.seed is None:
-                plan.params.append(base)
-            else:
+            params = base if sample == 0 else rest
+            if req.seed is not None:
                 seed = (req.seed + sample) % SEED_MOD
-                plan.params.append(dataclasses.replace(base, seed=seed))
+                params = dataclasses.replace(params, seed=seed)
+            plan.params.append(params)
     return plan
 
 
