@@ -48,6 +48,7 @@ _KNOWN_PARAMS = {
     "stop_token_ids",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
     "prompt",
     "seed",
 }
