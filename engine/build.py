@@ -9,6 +9,7 @@ tensor-parallel step hook. Nothing is attached to an object after it is built.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,12 @@ from engine.graph_runner import DecodeGraphRunner, build_decode_graphs
 from engine.kv_setup import KVSetup, build_kv
 from engine.kvcache.transfer import KVTransfer, TransferFactory
 from engine.model_runner import ModelRunner
+from engine.models import gguf_packed
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.tp.runtime import TPRuntime
+
+logger = logging.getLogger("hiserve.engine")
 
 
 @dataclass
@@ -76,11 +80,24 @@ def _build_on(
 ) -> EngineParts:
     """Model, KV, scheduler, sampler, grammars and runner (this rank's shard under TP)."""
     device = platform.to_torch_device(device_spec)
-    dtype = dtypes.parse_dtype(config.dtype, device_spec)
+    gguf_file = loader.gguf_file_of(config.model)
+    weights = dtypes.choose_weights(
+        config.dtype,
+        device_spec,
+        gguf=gguf_file is not None and gguf_packed.packing_enabled(),
+        tp_size=config.tensor_parallel_size,
+    )
+    dtype = weights.dtype
+    logger.info("weights: %s (%s)", str(dtype)[6:], weights.reason)
     hf_config = loader.load_hf_config(model_path)
     tokenizer = loader.load_tokenizer(model_path)
     model = loader.load_model(
-        model_path, device, dtype, config.attention_backend, tp.shard if tp is not None else None
+        model_path,
+        device,
+        dtype,
+        config.attention_backend,
+        tp.shard if tp is not None else None,
+        gguf_path=gguf_file if weights.packed_gguf else None,
     )
     context: Any = config.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     max_model_len = int(context)
@@ -110,7 +127,12 @@ def _build_on(
     vocab_size = int(hf_config.vocab_size)
     sampler = Sampler(vocab_size, device, seed=config.seed)
     grammars = EngineGrammars(
-        tokenizer, vocab_size, eos_token_ids, config.grammar_compile_timeout, device
+        tokenizer,
+        vocab_size,
+        eos_token_ids,
+        config.grammar_compile_timeout,
+        device,
+        step_budget_s=config.grammar_step_budget_ms / 1e3,
     )
     runner = ModelRunner(
         model,

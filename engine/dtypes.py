@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.platform import DeviceSpec, backend_module
@@ -40,8 +42,58 @@ def default_dtype(spec: DeviceSpec) -> torch.dtype:
         return torch.bfloat16
     if kind == "mps":
         return torch.float16
-    # NOTE: fp32 on CPU: bf16 matmul is orders of magnitude slower without AMX/AVX512-BF16.
-    return torch.float32
+    # NOTE: bf16 on CPU only with native bf16 dot products; without AMX/AVX512-BF16 a
+    # bf16 matmul is orders of magnitude slower than float32.
+    return torch.bfloat16 if cpu_bf16_reason() is not None else torch.float32
+
+
+def cpu_bf16_reason() -> str | None:
+    """Which native bf16 instructions this CPU has (AMX, AVX512-BF16), None if neither."""
+    cpu = getattr(torch, "cpu", None)
+    found = [
+        name
+        for name, probe in (
+            ("AMX", "_is_amx_tile_supported"),
+            ("AVX512-BF16", "_is_avx512_bf16_supported"),
+        )
+        if callable(getattr(cpu, probe, None)) and getattr(cpu, probe)()
+    ]
+    return " and ".join(found) if found else None
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """The model dtype, whether a GGUF's weights stay packed, and why (for the log)."""
+
+    dtype: torch.dtype
+    packed_gguf: bool
+    reason: str
+
+
+def choose_weights(name: str, spec: DeviceSpec, gguf: bool, tp_size: int = 1) -> WeightFormat:
+    """What ``--dtype name`` means for the weights of a model on ``spec``.
+
+    ``auto`` on the CPU: a GGUF (``gguf``, single process) keeps its blocks packed with
+    float32 activations; other models are bf16 where the CPU multiplies bf16 natively,
+    float32 elsewhere. An explicit dtype is taken as given (``float32``: every weight
+    dense float32, the exact-parity mode).
+    """
+    dtype = parse_dtype(name, spec)
+    if name.strip().lower() != "auto":
+        return WeightFormat(dtype, False, f"--dtype {name}")
+    if spec.type != "cpu":
+        return WeightFormat(dtype, False, f"--dtype auto on {spec.type}")
+    if gguf and tp_size == 1:
+        return WeightFormat(
+            torch.float32,
+            True,
+            "--dtype auto on a CPU with a GGUF model: its blocks stay packed "
+            "(float32 activations); --dtype float32 dequantizes them",
+        )
+    bf16 = cpu_bf16_reason()
+    if bf16 is not None:
+        return WeightFormat(dtype, False, f"--dtype auto on a CPU with {bf16}: bfloat16")
+    return WeightFormat(dtype, False, "--dtype auto on a CPU without AMX or AVX512-BF16: float32")
 
 
 def parse_dtype(name: str, spec: DeviceSpec) -> torch.dtype:

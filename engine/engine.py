@@ -209,6 +209,12 @@ class Engine:
                 self._finish(req, FinishReason.ABORT)
                 outputs.append(make_output(req, finished=True))
                 continue
+            over = req.grammar.over_budget() if req.grammar is not None else None
+            if over is not None:
+                req.error = over  # this request only; the others in the batch go on
+                self._finish(req, FinishReason.ABORT)
+                outputs.append(make_output(req, finished=True))
+                continue
             reason = check_stop(req, token, self.eos_token_ids, self.max_model_len)
             if req.grammar is not None and req.grammar.terminated:
                 # NOTE: a completed grammar is a complete output, even at max_tokens.

@@ -30,6 +30,10 @@ logger = logging.getLogger("hiserve.grammar")
 
 # How long a request may wait for its grammar to compile before it fails.
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+# Grammar work (mask fill + accept) one request may take per generated token before it
+# is ended: an ambiguous grammar's per-step cost grows without bound (issue 25: 15 ms to
+# over 1 s within ten tokens), and every other request waits for it.
+DEFAULT_STEP_BUDGET_S = 0.05
 # Compiled grammars kept by xgrammar's own cache (bytes), and compile futures we keep
 # so that an identical constraint compiles once (entries).
 COMPILER_CACHE_BYTES = 256 * 1024 * 1024
@@ -85,9 +89,11 @@ class GrammarBackend:
         tokenizer_info: Any,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         compile_workers: int = 2,
+        step_budget_s: float = DEFAULT_STEP_BUDGET_S,
     ) -> None:
         import xgrammar as xgr
 
+        self.step_budget_s = step_budget_s
         self.info = tokenizer_info
         self.vocab_size: int = int(tokenizer_info.vocab_size)
         self.stop_token_ids: list[int] = list(tokenizer_info.stop_token_ids)
@@ -111,9 +117,10 @@ class GrammarBackend:
         vocab_size: int,
         stop_token_ids: Collection[int],
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        step_budget_s: float = DEFAULT_STEP_BUDGET_S,
     ) -> GrammarBackend:
         info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
-        return cls(info, compile_timeout_s)
+        return cls(info, compile_timeout_s, step_budget_s=step_budget_s)
 
     def submit(self, spec: GrammarSpec) -> Future[Any]:
         """The compiled grammar of ``spec``, compiling it in a worker unless known."""
@@ -156,6 +163,7 @@ class GrammarBackend:
             deadline=time.monotonic() + self.compile_timeout_s,
             timeout_s=self.compile_timeout_s,
             stop_token_ids=stops if extra_stop_ids else None,
+            step_budget_s=self.step_budget_s,
         )
 
     def close(self) -> None:
@@ -176,6 +184,8 @@ class RequestGrammar:
     timeout_s: float
     stop_token_ids: list[int] | None = None  # None: the tokenizer description's stop set
     matcher: Any = field(default=None, repr=False)
+    step_budget_s: float = DEFAULT_STEP_BUDGET_S
+    step_s: float = 0.0  # grammar time of the current step: mask fill, then accept
 
     def poll(self, now: float) -> GrammarError | None:
         """Make the matcher once the grammar is compiled; an error if it never will be."""
@@ -206,9 +216,34 @@ class RequestGrammar:
     def ready(self) -> bool:
         return self.matcher is not None
 
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Fill ``row`` of ``bitmask`` with the allowed next tokens; False if all are.
+        Starts the timing of this step (see ``over_budget``)."""
+        started = time.perf_counter()
+        restricted = bool(self.matcher.fill_next_token_bitmask(bitmask, row))
+        self.step_s = time.perf_counter() - started
+        return restricted
+
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False if the grammar did not allow it."""
-        return bool(self.matcher.accept_token(token_id))
+        started = time.perf_counter()
+        ok = bool(self.matcher.accept_token(token_id))
+        self.step_s += time.perf_counter() - started
+        return ok
+
+    def over_budget(self) -> GrammarError | None:
+        """The error ending this request if this step's grammar work (fill + accept) took
+        longer than the step budget; None otherwise. Checked once per generated token."""
+        if self.step_s <= self.step_budget_s:
+            return None
+        return GrammarError(
+            f"{self.spec.param}: the constraint took {1e3 * self.step_s:.0f} ms of grammar "
+            f"work for one token, above the {1e3 * self.step_budget_s:g} ms budget "
+            "(--grammar-step-budget-ms); the request was ended. The grammar is too "
+            "ambiguous (e.g. a rule such as `x ::= x x`): rewrite it with repetition "
+            "(`x ::= [a-z]+`) and retry",
+            self.spec.param,
+        )
 
     @property
     def terminated(self) -> bool:
@@ -285,7 +320,7 @@ class TokenMasker:
             if grammar is None or grammar.matcher is None or grammar.terminated:
                 continue
             # False: every token is allowed at this point, the row needs no mask.
-            if grammar.matcher.fill_next_token_bitmask(bitmask, b):
+            if grammar.fill(bitmask, b):
                 rows.append(b)
             if grammar.may_end:
                 may_end.append(b)
@@ -323,7 +358,9 @@ class EngineGrammars:
         stop_token_ids: Collection[int],
         compile_timeout_s: float,
         device: torch.device,
+        step_budget_s: float = DEFAULT_STEP_BUDGET_S,
     ) -> None:
+        self.step_budget_s = step_budget_s
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = set(stop_token_ids)
@@ -350,7 +387,11 @@ class EngineGrammars:
                     "response_format",
                 )
             self._backend = GrammarBackend.for_tokenizer(
-                self.tokenizer, self.vocab_size, self.stop_token_ids, self.compile_timeout_s
+                self.tokenizer,
+                self.vocab_size,
+                self.stop_token_ids,
+                self.compile_timeout_s,
+                self.step_budget_s,
             )
         return self._backend
 

@@ -26,6 +26,7 @@ from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
 from engine.layers.gemv_cpu import use_cpu_gemv
 from engine.layers.parallel_linear import TPShard
+from engine.model_files import ModelPathError, default_cache_dir, safetensors_files
 from engine.models.registry import get_model_class
 from engine.models.weights import load_named_weights
 
@@ -38,17 +39,7 @@ CONVERT_VERSION = 1
 _STALE_TMP_SECONDS = 3600.0
 
 
-class ModelPathError(ValueError):
-    """The ``--model`` argument does not name a usable local model."""
-
-
 # ---- where the model is ---------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    """``$HISERVE_CACHE_DIR``, else ``~/.cache/hiserve``."""
-    env = os.environ.get("HISERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hiserve"
 
 
 def default_gguf_path() -> Path:
@@ -64,6 +55,15 @@ def default_gguf_path() -> Path:
     if not found:
         raise ModelPathError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE!r}; {hint}")
     return found[0]
+
+
+def gguf_file_of(model: str) -> Path | None:
+    """The GGUF file behind ``--model`` (``default`` or a ``.gguf`` path), else None."""
+    if model == DEFAULT_MODEL:
+        return default_gguf_path()
+    if model.lower().endswith(".gguf"):
+        return Path(model).expanduser().resolve()
+    return None
 
 
 def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
@@ -263,28 +263,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
-    """Weight files of a model directory: the index's shards, model.safetensors, or *.safetensors."""
-    model_dir = Path(path)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelPathError(f"{index} names shards that are missing: {missing}")
-        return files
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelPathError(
-            f"no *.safetensors weights in {str(model_dir)!r} (.bin/.pt checkpoints are not "
-            "supported; re-save the model with save_pretrained(safe_serialization=True))"
-        )
-    return files
-
-
 def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, cpu_tensor)`` for every tensor of every weight file."""
     from safetensors import safe_open
@@ -301,14 +279,17 @@ def load_model(
     dtype: torch.dtype,
     attention_backend: str = "auto",
     tp: TPShard | None = None,
+    gguf_path: Path | None = None,
 ) -> nn.Module:
     """Build the registered model class for ``path`` on ``device`` in ``dtype``, load weights, eval().
 
     ``tp``: build and load only this tensor-parallel rank's part (engine/models/tp_shard.py);
     ``model.config`` is then the rank's share of the config. On the CPU the linear layers
     switch to oneDNN-packed weights (set ``HISERVE_CPU_ONEDNN=0`` to keep ``F.linear``).
+    ``gguf_path``: the GGUF that ``path`` was converted from; on the CPU its linear and
+    embedding weights then stay in their GGUF blocks (``gguf_packed``).
     """
-    from engine.models import tp_shard
+    from engine.models import gguf_packed, tp_shard
 
     device = torch.device(device) if isinstance(device, str) else device
     hf_config = load_hf_config(path)
@@ -322,10 +303,17 @@ def load_model(
             tp_shard.use_row_parallel(model, tp)
         else:
             model = model_cls(hf_config, backend)
+    source = gguf_packed.packed_source(gguf_path, device, sharded)
+    plan = gguf_packed.plan_packed(source, Path(path), model) if source is not None else None
+    if plan is not None:
+        gguf_packed.prepare(model, plan)
     model = model.to(dtype=dtype).to_empty(device=device)
     if tp is not None and sharded:
         slicer = tp_shard.CheckpointSlicer(hf_config, tp)
         load_named_weights(model, iter_safetensors(path), model.map_name, slicer)
+    elif plan is not None:
+        model.load_weights(gguf_packed.iter_weights(Path(path), plan))
+        gguf_packed.finish(model, plan)
     else:
         model.load_weights(iter_safetensors(path))
     # Decode-size matmuls in the native GEMV kernel on float32 CPU models (HISERVE_CPU_GEMV=0:

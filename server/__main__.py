@@ -37,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for note in args.notes:
+        logging.getLogger("server").info(note)
     exit_code = 0
     server: uvicorn.Server | None = None
 

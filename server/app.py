@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
 from server.args import ServerArgs
+from server.cache_report import CacheReport
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
 from server.errors import APIError, error_response, install_error_handlers, new_error_id
 from server.fleet_info import add_fleet_routes
@@ -110,6 +111,7 @@ def create_app(
                 args.tool_call_parser,
                 max_choices=args.max_choices,
                 trust_special_tokens=args.trust_message_special_tokens,
+                cache_report=CacheReport(args.cached_tokens_scope),
             )
             print(summary_line(args, engine.health()), flush=True)
             watch = getattr(engine, "watch_fatal", None)

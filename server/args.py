@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, NoReturn
 
-from engine.config import EngineConfig
+from engine.config import L3_DEFAULT_PAGE_SIZE, EngineConfig
 from server.flags import (
     ENV_PREFIX,
     FALSE_WORDS,
@@ -46,6 +46,9 @@ class ServerArgs:
     enable_docs: bool = False
     trust_message_special_tokens: bool = False
     tool_call_parser: str = "auto"
+    # Settings the server chose for the operator, one sentence each, for the start-up log.
+    notes: tuple[str, ...] = ()
+    cached_tokens_scope: str = "all"  # what cached_tokens reports (server/cache_report.py)
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -65,6 +68,7 @@ class ServerArgs:
             enable_docs=self.enable_docs,
             trust_message_special_tokens=self.trust_message_special_tokens,
             tool_call_parser=self.tool_call_parser,
+            cached_tokens_scope=self.cached_tokens_scope,
         )
         return out
 
@@ -164,6 +168,7 @@ def parse_args(
     parser = build_parser()
     namespace = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     values: dict[str, Any] = {}
+    given: set[str] = set()
     for spec in FLAG_TABLE:
         kind, optional, default = _resolve(spec)
         value = getattr(namespace, spec.dest)
@@ -180,7 +185,10 @@ def parse_args(
                     f"{', '.join(spec.choices)}",
                 )
         values[spec.dest] = default if value is None else value
+        if value is not None:
+            given.add(spec.dest)
 
+    notes = _derive_l3_page_size(values, given)
     engine_kwargs: dict[str, Any] = {}
     for spec in FLAG_TABLE:
         if spec.field is not None:
@@ -225,7 +233,22 @@ def parse_args(
         enable_docs=bool(values["enable_docs"]),
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),
         tool_call_parser=values["tool_call_parser"],
+        notes=tuple(notes),
+        cached_tokens_scope=values["cached_tokens_scope"],
     )
+
+
+def _derive_l3_page_size(values: dict[str, Any], given: set[str]) -> list[str]:
+    """An L3 backend with no page size given gets one that suits L3 (the store keeps one
+    object per page); a page size the operator gave is kept, and checked as given."""
+    backend = values.get("hicache_storage_backend")
+    if backend in (None, "none") or "page_size" in given:
+        return []
+    values["page_size"] = L3_DEFAULT_PAGE_SIZE
+    return [
+        f"page size {L3_DEFAULT_PAGE_SIZE} tokens: the L3 storage backend {backend!r} keeps "
+        "one object per KV page and no --page-size was given (set it to choose another)"
+    ]
 
 
 def parse_hosts(text: str | None) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError, StreamStalledError
 from engine.request import RequestOutput, SamplingParams
+from server.cache_report import CacheReport
 from server.chat_tokens import ChatPromptEncoder
 from server.errors import APIError, internal_error
 from server.tools.parsers import ToolCallParser, choose_parser
@@ -100,8 +101,10 @@ class EngineClient:
         tool_call_parser: str = "auto",
         max_choices: int = 256,
         trust_special_tokens: bool = False,
+        cache_report: CacheReport | None = None,
     ) -> None:
         self.engine = engine
+        self.cache_report = cache_report or CacheReport("all")
         self.tokenizer = engine.tokenizer
         self.max_choices = max_choices
         self.chat_encoder = ChatPromptEncoder(self.tokenizer, trust_special_tokens)
@@ -143,6 +146,10 @@ class EngineClient:
     @property
     def max_stop_token_ids(self) -> int:
         return int(getattr(self.engine.config, "max_stop_token_ids", 256))
+
+    @property
+    def max_grammar_choices(self) -> int:
+        return int(getattr(self.engine.config, "max_grammar_choices", 8))
 
     @property
     def max_logprob_entries(self) -> int:

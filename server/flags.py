@@ -16,6 +16,7 @@ from engine.config import (
     HICACHE_WRITE_POLICIES,
     SCHEDULE_POLICIES,
 )
+from server.cache_report import CACHED_TOKENS_SCOPES
 from server.tools.parsers import PARSER_NAMES
 
 ENV_PREFIX = "HISERVE_"
@@ -117,8 +118,20 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("hicache-storage-dir", "directory of the file L3 backend", "hicache_storage_dir"),
     FlagSpec(
         "hicache-storage-size",
-        "GB the file L3 backend may use (least recently used pages go first)",
+        "GB the file L3 backend's directory may hold, counting every replica's pages "
+        "(oldest pages go first; default 16)",
         "hicache_storage_size",
+    ),
+    FlagSpec(
+        "hicache-storage-secret-file",
+        "file holding the fleet secret that authenticates L3 pages (or set "
+        "HISERVE_HICACHE_STORAGE_SECRET); see docs/cache-security.md",
+        "hicache_storage_secret_file",
+    ),
+    FlagSpec(
+        "hicache-storage-encrypt",
+        "encrypt the file L3 backend's pages at rest (AES-GCM; extra l3-crypt)",
+        "hicache_storage_encrypt",
     ),
     FlagSpec(
         "hicache-storage-prefetch-policy",
@@ -190,6 +203,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "seconds a structured-output request may wait for its grammar to compile",
         "grammar_compile_timeout",
     ),
+    FlagSpec(
+        "grammar-step-budget-ms",
+        "milliseconds of grammar work (mask fill + accept) a constrained request may take "
+        "per token; past it the request ends with an error",
+        "grammar_step_budget_ms",
+    ),
+    FlagSpec(
+        "max-grammar-choices",
+        "most choices (prompts x n) of a request with an output constraint",
+        "max_grammar_choices",
+    ),
     # server-only
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),
@@ -221,6 +245,15 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "serve /metrics without a key (for a scraper that cannot send one)",
         kind="bool",
         default=False,
+    ),
+    FlagSpec(
+        "cached-tokens-scope",
+        "what usage.cached_tokens reports: all (every hit), key (only prefixes the same "
+        "bearer token sent before; others' cached prompts cannot be probed) or none (always "
+        "0); see docs/cache-security.md",
+        kind="str",
+        default="all",
+        choices=CACHED_TOKENS_SCOPES,
     ),
     FlagSpec("log-level", "logging level", kind="str", default="info", choices=LOG_LEVELS),
     FlagSpec(

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.grammar_spec import GrammarSpec
 from engine.request import RequestOutput, TokenLogprob
-from server.constraints import checked, request_constraint
+from server.constraints import parse_checked, request_constraint, statically_checked
 from server.engine_client import EngineClient
 from server.errors import APIError
 from server.metrics import RequestTimer, ServerMetrics
@@ -101,7 +101,7 @@ def chat_constraint(req: ChatCompletionRequest, tools: ToolPlan) -> GrammarSpec 
             f"combined with {grammar.param}",
             param=grammar.param,
         )
-    return checked(tool_grammar)
+    return statically_checked(tool_grammar)
 
 
 def chat_logprobs(client: EngineClient, entries: list[TokenLogprob]) -> ChatLogprobs:
@@ -132,7 +132,7 @@ async def serve_chat(
     check_request(req, client)
     _check_chat_fields(req)
     tools = tool_plan(req)
-    grammar = chat_constraint(req, tools)
+    grammar = await parse_checked(chat_constraint(req, tools))
     messages, tool_defs = with_tools(
         chat_messages(req), req, tools, client.tool_parser, client.template_knows_tools
     )
@@ -159,6 +159,7 @@ async def serve_chat(
         logprobs,
         "messages",
         grammar,
+        authorization=request.headers.get("authorization"),
     )
     gen = start_generation(client, plan)
     timers = make_timers(metrics, start, plan.num_choices)

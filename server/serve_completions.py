@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.request import RequestOutput, TokenLogprob
-from server.constraints import request_constraint
+from server.constraints import parse_checked, request_constraint
 from server.engine_client import EngineClient
 from server.errors import APIError
 from server.metrics import RequestTimer, ServerMetrics
@@ -82,7 +82,7 @@ async def serve_completion(
             f"best_of={req.best_of} > n={req.n or 1} is not supported; best_of may only equal n",
             param="best_of",
         )
-    grammar = request_constraint(req)
+    grammar = await parse_checked(request_constraint(req))
     # Normalise the four prompt shapes into a list of texts or token-id lists.
     prompt = req.prompt
     items: list[str] | list[list[int]]
@@ -118,6 +118,7 @@ async def serve_completion(
         req.logprobs,
         "prompt",
         grammar,
+        authorization=request.headers.get("authorization"),
     )
     gen = start_generation(client, plan)
     timers = make_timers(metrics, start, plan.num_choices)

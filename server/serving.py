@@ -107,6 +107,9 @@ class Plan:
     prompts: list[list[int]]  # distinct prompts
     n: int
     params: list[SamplingParams] = field(default_factory=list)  # one per choice
+    # Per prompt, the cached tokens its caller may be told about (None: all of them);
+    # see server/cache_report.py.
+    own_tokens: list[int] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -128,6 +131,7 @@ def make_plan(
     logprobs: int | None,
     prompt_param: str,
     grammar: GrammarSpec | None = None,
+    authorization: str | None = None,
 ) -> Plan:
     """Validate once per prompt up front, so a bad field fails before anything is queued.
 
@@ -136,8 +140,19 @@ def make_plan(
 
     ``grammar``: the output constraint every choice follows (each engine request gets
     its own matcher; the spec itself is shared).
+
+    ``authorization``: the caller's Authorization header, for ``--cached-tokens-scope``.
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
+    if grammar is not None and plan.num_choices > client.max_grammar_choices:
+        raise APIError(
+            400,
+            f"this request asks for {plan.num_choices} constrained choices ({grammar.param}); "
+            f"at most {client.max_grammar_choices} are allowed (--max-grammar-choices). "
+            "Lower n or split the request.",
+            param="n",
+            code="too_many_choices",
+        )
     entries = 0  # logprob entries the whole response may carry
     stop_token_ids = frozenset(req.stop_token_ids or ())
     for prompt in prompts:
@@ -170,6 +185,7 @@ def make_plan(
             param=param,
             code="too_many_logprobs",
         )
+    plan.own_tokens = client.cache_report.own_prefixes(authorization, prompts)
     return plan
 
 
@@ -177,6 +193,19 @@ def start_generation(client: EngineClient, plan: Plan) -> AsyncIterator[Item]:
     return client.generate_many(
         [plan.prompt_of(k) for k in range(plan.num_choices)], plan.params, plan.request_ids()
     )
+
+
+def reported_cache(out: RequestOutput, limit: int | None) -> tuple[int, int, int]:
+    """Cached tokens (device, host, storage) a caller is told, at most ``limit`` in all.
+
+    The cached prefix is the device hits, then the host hits, then the storage hits, so
+    a limit (--cached-tokens-scope) cuts it from the storage end."""
+    tiers = (out.cached_tokens_device, out.cached_tokens_host, out.cached_tokens_storage)
+    if limit is None:
+        return tiers
+    device = min(tiers[0], limit)
+    host = min(tiers[1], limit - device)
+    return device, host, min(tiers[2], limit - device - host)
 
 
 def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
@@ -187,9 +216,9 @@ def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
     for p in range(len(plan.prompts)):
         first = finals.get(p * plan.n)
         if first is not None:
-            device += first.cached_tokens_device
-            host += first.cached_tokens_host
-            storage += first.cached_tokens_storage
+            limit = None if plan.own_tokens is None else plan.own_tokens[p]
+            d, h, s = reported_cache(first, limit)
+            device, host, storage = device + d, host + h, storage + s
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

@@ -14,27 +14,39 @@ from engine.kvcache.hicache import HiRadixCache
 from engine.kvcache.host_pool import HostKVPool
 from engine.kvcache.sizing import host_tier_tokens
 from engine.kvcache.storage import KVNamespace, make_store, model_digest
+from engine.kvcache.storage.page_seal import load_secret
 from engine.kvcache.storage.tier import StorageTier
 from engine.kvcache.transfer import KVTransfer, TransferFactory
+from engine.model_files import default_cache_dir
 
 logger = logging.getLogger("hiserve.hicache")
+
+
+def digest_cache(config: EngineConfig) -> Path:
+    """Where checkpoint digests are kept between starts (see ``keys.model_digest``)."""
+    base = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
+    return base / "checkpoint-digests.json"
 
 
 def build_storage(
     config: EngineConfig, host_pool: HostKVPool, model_path: Path | None
 ) -> StorageTier | None:
     """The L3 tier named by --hicache-storage-backend, or None."""
+    if config.hicache_storage_backend == "none":
+        return None
     store = make_store(
         config.hicache_storage_backend,
         directory=config.hicache_storage_dir,
-        max_bytes=int((config.hicache_storage_size or 0) * 1e9),
+        max_bytes=int(config.hicache_storage_size * 1e9),
+        secret=load_secret(config.hicache_storage_secret_file),
+        encrypt=config.hicache_storage_encrypt,
         mooncake_master=config.hicache_mooncake_master,
         mooncake_metadata_server=config.hicache_mooncake_metadata_server,
     )
     if store is None:
         return None
     identity = (
-        model_digest(model_path)
+        model_digest(model_path, digest_cache(config))
         if model_path is not None
         else hashlib.sha256(config.model.encode()).hexdigest()
     )

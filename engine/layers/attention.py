@@ -188,6 +188,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     layer. float32 on the CPU only; extend/prefill stays on SDPA."""
 
     name = "cpu_native"
+    decode_reads_pool_in_place = True
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel

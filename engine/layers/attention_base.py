@@ -19,6 +19,9 @@ class AttentionBackend(abc.ABC):
     # when the decode layout is precomputed in ``meta.cache`` (see engine/graph_runner.py):
     # no host reads of tensor values, no shapes taken from the per-step Python lists.
     graph_safe_decode = False
+    # Whether decode reads K/V in place through the request table (no gather to a context
+    # shape): a captured decode step then depends on the batch size only.
+    decode_reads_pool_in_place = False
 
     @abc.abstractmethod
     def forward(

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.quant_cpu import PackedWeight, QuantTensor
+
 logger = logging.getLogger(__name__)
 
 # oneDNN picks the packed layout for this batch size; any batch still works. 4 measured
@@ -58,9 +60,24 @@ class FusedLinear(nn.Module):
         # set by gemv_cpu.use_cpu_gemv on float32 CPU models, None everywhere else.
         self.gemv: Callable[..., torch.Tensor] | None = None
         self.gemv_max_tokens = 0
+        # GGUF blocks kept packed (quant_cpu); set by use_packed, which leaves ``weight``
+        # an empty placeholder: the packed bytes are the only copy.
+        self.packed: PackedWeight | None = None
+
+    def use_packed(self) -> PackedWeight:
+        """Hold the weight as GGUF blocks (filled by ``load_param``) instead of a dense
+        tensor; call before the model's memory is allocated, so none is for the weight."""
+        self.packed = PackedWeight(self.out_features, self.in_features)
+        dense = self.weight
+        self.weight = nn.Parameter(
+            torch.empty(0, dtype=dense.dtype, device=dense.device), requires_grad=False
+        )
+        return self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.packed is not None:
+            return self.packed.matmul(x, self.bias)
         if self.gemv is not None and x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens:
             # Decode: a few tokens against the whole weight, bound by reading it once.
             return self.gemv(x, self.weight, self.bias)
@@ -72,8 +89,15 @@ class FusedLinear(nn.Module):
         """The shards ``load_shard`` must fill for parameter ``kind`` (weight or bias)."""
         return list(range(len(self.output_sizes)))
 
-    def load_param(self, kind: str, shard: int, weight: torch.Tensor) -> None:
-        """``load_shard`` for parameter ``kind`` (``weight`` or ``bias``): the loader's entry."""
+    def load_param(self, kind: str, shard: int, weight: torch.Tensor | QuantTensor) -> None:
+        """``load_shard`` for parameter ``kind`` (``weight`` or ``bias``): the loader's entry.
+        A ``QuantTensor`` goes to the packed weight (``use_packed``), dequantized otherwise."""
+        if isinstance(weight, QuantTensor):
+            if self.packed is None or kind != "weight":
+                weight = weight.dequantize()
+            else:
+                self.packed.put(0 if shard == ALL_SHARDS else self.offsets[shard], weight)
+                return
         self.load_shard(shard, weight, is_bias=kind == "bias")
 
     def load_shard(self, shard: int, weight: torch.Tensor, is_bias: bool = False) -> None:
@@ -111,6 +135,8 @@ class FusedLinear(nn.Module):
         Returns False (and changes nothing) where oneDNN cannot take this weight.
         """
         w = self.weight
+        if self.packed is not None:
+            return False
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return False
         if self._packed is not None:
@@ -135,6 +161,7 @@ class FusedLinear(nn.Module):
         return (
             f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, "
             f"packed={self._packed is not None}, gemv_max_tokens={self.gemv_max_tokens}"
+            + (f", gguf={self.packed.type_names()}" if self.packed is not None else "")
         )
 
 

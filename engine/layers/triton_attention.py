@@ -20,6 +20,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     graph_safe_decode = True
+    decode_reads_pool_in_place = True
 
     def __init__(
         self,

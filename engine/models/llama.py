@@ -20,6 +20,7 @@ from engine.kvcache.device_pool import DeviceKVPool
 from engine.layers.attention import AttentionBackend, get_attention_backend
 from engine.layers.attention_meta import AttentionMetadata
 from engine.layers.linear import ALL_SHARDS, FusedLinear, GatedMLP
+from engine.layers.quant_cpu import PackedWeight, QuantTensor
 from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, read_rope_params
 from engine.models.layer_attention import layer_backends
@@ -188,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else FusedLinear(hf_config.hidden_size, [self.vocab_size])
         )
+        # The embedding table as GGUF blocks (use_packed_embedding), None when dense.
+        self.packed_embedding: PackedWeight | None = None
 
     def layer_backends(self, hf_config: Any) -> list[AttentionBackend]:
         """Attention per layer: the shared backend, windowed where the config asks."""
@@ -213,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Hook: ``[T]`` token ids -> ``[T, hidden]``, the first layer's input."""
+        if self.packed_embedding is not None:
+            return self.packed_embedding.rows_float(input_ids).to(self.model.embed_tokens.dtype)
         return F.embedding(input_ids, self.model.embed_tokens)
 
     def layer_cos_sin(
@@ -230,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]]) -> None:
         """Copy HF-named tensors into the fused parameters; raise on missing or unknown names."""
         load_named_weights(self, weights, self.map_name)
 
@@ -254,9 +259,33 @@ class LlamaForCausalLM(nn.Module):
         """A tied model's LM head as a layer over the embedding table (shared, not copied),
         for the CPU fast paths (oneDNN packing, the GEMV kernel) to take over."""
         embed = self.model.embed_tokens
+        if self.packed_embedding is not None:
+            with torch.device("meta"):  # its dense weight is never allocated
+                head = FusedLinear(self.packed_embedding.in_features, [self.vocab_size])
+            head.weight = nn.Parameter(embed.detach(), requires_grad=False)  # the placeholder
+            head.packed = self.packed_embedding
+            return head
         head = FusedLinear(embed.shape[1], [embed.shape[0]])
         head.weight = nn.Parameter(embed.detach(), requires_grad=False)
         return head
+
+    def use_packed_embedding(self) -> PackedWeight:
+        """Keep the embedding table as GGUF blocks (filled by ``load_packed_param``); after
+        loading, a tied model's ``tied_head`` multiplies by the same blocks. Call before
+        memory is allocated."""
+        dense = self.model.embed_tokens
+        self.packed_embedding = PackedWeight(self.vocab_size, int(dense.shape[1]))
+        self.model.embed_tokens = nn.Parameter(
+            torch.empty(0, dtype=dense.dtype, device=dense.device), requires_grad=False
+        )
+        return self.packed_embedding
+
+    def load_packed_param(self, param_name: str, tensor: QuantTensor) -> bool:
+        """The loader's entry for GGUF blocks of a plain parameter: True if taken."""
+        if param_name != "model.embed_tokens" or self.packed_embedding is None:
+            return False
+        self.packed_embedding.put(0, tensor)
+        return True
 
     def pack_for_cpu(self) -> int:
         """Switch every linear layer to oneDNN-packed weights (CPU only); returns how many.

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import ALL_SHARDS
+from engine.layers.quant_cpu import QuantTensor
 
 # HF name -> (our parameter name, shard); None to skip the tensor.
 NameMapper = Callable[[str], "tuple[str, Any] | None"]
@@ -22,7 +23,7 @@ TensorSlicer = Callable[[str, Any, torch.Tensor], torch.Tensor]
 
 
 class ShardedModule(Protocol):
-    def load_param(self, kind: str, shard: Any, weight: torch.Tensor) -> None: ...
+    def load_param(self, kind: str, shard: Any, weight: Any) -> None: ...
 
     def shard_keys(self, kind: str) -> list[Hashable]: ...
 
@@ -37,14 +38,17 @@ def _sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
 
 def load_named_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
     map_name: NameMapper,
     slicer: TensorSlicer | None = None,
 ) -> None:
     """Load every tensor of ``weights``; raise on unknown names, shapes, or missing weights.
 
     ``slicer``: cut each checkpoint tensor to this tensor-parallel rank's part first.
+    A ``QuantTensor`` (GGUF blocks kept packed) goes to its layer's ``load_param`` or the
+    model's ``load_packed_param``; where neither takes it, it is dequantized here.
     """
+    packed_hook = getattr(model, "load_packed_param", None)
     params = dict(model.named_parameters())
     sharded = _sharded_modules(model)
     loaded: set[str] = set()
@@ -54,7 +58,10 @@ def load_named_weights(
         if target is None:
             continue
         param_name, shard = target
+        if isinstance(tensor, QuantTensor) and slicer is not None:
+            tensor = tensor.dequantize()
         if slicer is not None:
+            assert isinstance(tensor, torch.Tensor)
             tensor = slicer(param_name, shard, tensor)
         module_name, _, kind = param_name.rpartition(".")
         owner = sharded.get(module_name)
@@ -67,6 +74,11 @@ def load_named_weights(
         if param is None:
             unexpected.append(name)
             continue
+        if isinstance(tensor, QuantTensor):
+            if callable(packed_hook) and packed_hook(param_name, tensor):
+                loaded.add(param_name)
+                continue
+            tensor = tensor.dequantize()
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"

@@ -4,6 +4,7 @@ default model's GGUF: what a user's GGUF of a new family looks like to hiserve."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,10 @@ GGUF_ARCH = {
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
+    "llama": gguf.MODEL_ARCH.LLAMA,
 }
+# GGUF tensor name -> ggml type to store it in, or None for float32.
+QuantChoice = Callable[[str], "int | None"]
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
@@ -56,7 +60,27 @@ def _metadata(writer: gguf.GGUFWriter, config: Any) -> None:
         writer.add_sliding_window(config.sliding_window)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, tokenizer_gguf: Path) -> Path:
+def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: int | None) -> None:
+    from tests.unit.quant_blocks import random_blocks
+
+    if qtype is None or data.ndim != 2:
+        writer.add_tensor(name, np.ascontiguousarray(data))
+        return
+    rows, cols = data.shape
+    kind = gguf.GGMLQuantizationType(qtype)
+    try:
+        blocks = gguf.quants.quantize(np.ascontiguousarray(data), kind)
+    except NotImplementedError:  # the K-quants: random blocks (the reference is the GGUF)
+        blocks = random_blocks(qtype, rows, cols, seed=len(name))
+    writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+
+
+def write_gguf(
+    model: torch.nn.Module, path: Path, tokenizer_gguf: Path, quant: QuantChoice | None = None
+) -> Path:
+    """``model`` as a GGUF file at ``path``; ``quant`` picks a ggml type per tensor (the
+    K-quants, which gguf-py cannot quantize, get random blocks instead of the weights).
+    Llama q/k rows are written as HF holds them, not permuted as llama.cpp does."""
     config: Any = model.config
     arch = GGUF_ARCH[config.model_type]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -83,7 +107,8 @@ def write_gguf(model: torch.nn.Module, path: Path, tokenizer_gguf: Path) -> Path
             raise KeyError(f"no GGUF name for {hf_name}")
         if gemma and "norm" in base:
             data = data + 1.0  # llama.cpp stores Gemma's norms as 1 + weight
-        writer.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(data))
+        name = f"{gguf_name}.{suffix}"
+        _add(writer, name, data, quant(name) if quant is not None else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -160,7 +160,9 @@ def test_graph_blockers() -> None:
 def test_when_the_engine_uses_graphs(
     tiny_llama_dir: Path, fake_musa: FakeStreamBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = engine_for(tiny_llama_dir)
+    # The gather fallback: graphs built, captured lazily (start-up capture is in
+    # test_graph_startup.py).
+    engine = engine_for(tiny_llama_dir, attention_backend="torch")
     assert engine.runner.graphs is None and engine.health()["device_graphs"] is False
 
     FakeGraphBackend(fake_musa)

@@ -21,6 +21,7 @@ from engine.loader import load_model, load_tokenizer
 from tests.unit.hf_reference import assert_batched_greedy_matches_hf, hf_greedy, random_hf_model
 from tests.unit.model_configs import LOGIT_ATOL, LOGIT_RTOL, TINY, random_prompts
 from tests.unit.model_driver import GreedyDriver
+from tests.unit.parity_prompts import parity_prompts
 
 MAX_NEW_TOKENS = 10
 PROMPT_LENS = (3, 9, 17)
@@ -156,17 +157,7 @@ def test_default_model_greedy_matches_hf(default_model_dir: Path, backend: str) 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(default_model_dir), local_files_only=True, dtype=torch.float32
     ).eval()
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about the sea.",
-        "Count from 1 to 20.",
-    ]
-    prompts = []
-    for question in questions:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompts = parity_prompts(tokenizer)
     model = load_model(default_model_dir, torch.device("cpu"), torch.float32, backend)
     ours = GreedyDriver(model, max_rows=4, max_context=128).generate(prompts, 32)
     eos = tokenizer.eos_token_id

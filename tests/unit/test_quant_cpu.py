@@ -20,25 +20,9 @@ import torch
 
 from engine.layers import cpu_kernels, quant_cpu
 from engine.layers.quant_cpu import PACKED_TYPES, PackedWeight, QuantTensor
+from tests.unit.quant_blocks import random_blocks
 
-# Offsets of the float16 scale fields in each K-quant block (random bytes elsewhere).
-_K_SCALE_FIELDS = {12: (0, 2), 13: (0, 2), 14: (208,)}
 REL_TOL = 1e-5
-
-
-def random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
-    """``[rows, row_bytes]`` uint8 of valid ``qtype`` blocks."""
-    rng = np.random.default_rng(seed)
-    kind = gguf.GGMLQuantizationType(qtype)
-    if qtype not in _K_SCALE_FIELDS:
-        weights = rng.standard_normal((rows, cols), dtype=np.float32)
-        return gguf.quants.quantize(weights, kind)
-    _, block, size = PACKED_TYPES[qtype]
-    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for offset in _K_SCALE_FIELDS[qtype]:
-        scale = rng.uniform(0.001, 0.05, (rows, cols // block)).astype(np.float16)
-        data[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
-    return data.reshape(rows, -1)
 
 
 def reference(blocks: np.ndarray, qtype: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,3 +132,15 @@ def test_packed_weight_refuses_gaps() -> None:
         packed.finish()
     with pytest.raises(ValueError, match="does not fit"):
         packed.put(12, QuantTensor(8, torch.from_numpy(random_blocks(8, 8, 32, seed=0)), 32))
+
+
+def test_batched_path_under_inference_mode(kernel: Any) -> None:
+    # The engine runs in inference mode; threads the kernel starts must not touch its
+    # tensors through ATen ops (their own mode is off, so an in-place op raises).
+    blocks = random_blocks(3, 300, 64, seed=2)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1))
+    with torch.inference_mode():
+        x = torch.randn(9, 64)
+        out = torch.empty(9, 300)
+        kernel.qmatmul(x, torch.from_numpy(blocks), 3, out)
+    torch.testing.assert_close(out, x @ want.T, rtol=1e-4, atol=1e-4)

@@ -5,9 +5,9 @@
 //   two 16-float vectors (registers only) and multiplied into one float32 accumulator
 //   per token; rows are split over the threads. The bytes read per call are the packed
 //   bytes, 3.5-8.5 bits a weight instead of 32.
-// - qmatmul, larger M: each thread dequantizes a tile of kTileRows rows into a float32
-//   buffer (L2-sized) and multiplies the tile by all tokens with at::mm; the dequantize
-//   cost is paid once per tile, not once per token.
+// - qmatmul, larger M: the threads dequantize a chunk of kTileRows rows each into a
+//   float32 buffer (L2-sized per thread), then at::mm multiplies the chunk by all tokens;
+//   the dequantize cost is paid once per call, not once per token.
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
 // With AVX-512 the dequantize is vector code per 32-weight sub-block; without it (AVX2 or
@@ -254,16 +254,18 @@ void gemv(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, int64
 template <int Q>
 void tiled(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n_len,
            int64_t k_len, torch::Tensor& y) {
-  const int64_t tiles = (n_len + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(static_cast<size_t>(kTileRows * k_len));
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileRows, rows = std::min<int64_t>(kTileRows, n_len - n0);
-      dequant_rows<Q>(w, row_bytes, k_len, n0, n0 + rows, buf.data());
-      const auto tile = torch::from_blob(buf.data(), {rows, k_len}, torch::kFloat32);
-      y.narrow(1, n0, rows).copy_(at::mm(x, tile.t()));  // [M, rows]
-    }
-  });
+  // NOTE: tensor ops stay on this thread (the worker threads do not carry its inference
+  // mode): the threads only dequantize, then one at::mm per chunk of rows.
+  const int64_t chunk = kTileRows * std::max<int64_t>(1, at::get_num_threads());
+  std::vector<float> buf(static_cast<size_t>(std::min(chunk, n_len) * k_len));
+  for (int64_t n0 = 0; n0 < n_len; n0 += chunk) {
+    const int64_t rows = std::min<int64_t>(chunk, n_len - n0);
+    at::parallel_for(0, rows, kTileRows / 4, [&](int64_t begin, int64_t end) {
+      dequant_rows<Q>(w, row_bytes, k_len, n0 + begin, n0 + end, buf.data() + begin * k_len);
+    });
+    const auto tile = torch::from_blob(buf.data(), {rows, k_len}, torch::kFloat32);
+    y.narrow(1, n0, rows).copy_(at::mm(x, tile.t()));  // [M, rows]
+  }
 }
 
 template <int Q>
