@@ -27,6 +27,7 @@ from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
 from engine.layers.gemv_cpu import use_cpu_gemv
 from engine.layers.parallel_linear import TPShard
+from engine.model_files import ModelPathError, default_cache_dir, safetensors_files
 from engine.models.registry import get_model_class
 from engine.models.weights import load_named_weights
 
@@ -39,17 +40,7 @@ CONVERT_VERSION = 1
 _STALE_TMP_SECONDS = 3600.0
 
 
-class ModelPathError(ValueError):
-    """The ``--model`` argument does not name a usable local model."""
-
-
 # ---- where the model is ---------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    """``$HISERVE_CACHE_DIR``, else ``~/.cache/hiserve``."""
-    env = os.environ.get("HISERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hiserve"
 
 
 def default_gguf_path() -> Path:
@@ -271,28 +262,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
-def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
-    """Weight files of a model directory: the index's shards, model.safetensors, or *.safetensors."""
-    model_dir = Path(path)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelPathError(f"{index} names shards that are missing: {missing}")
-        return files
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelPathError(
-            f"no *.safetensors weights in {str(model_dir)!r} (.bin/.pt checkpoints are not "
-            "supported; re-save the model with save_pretrained(safe_serialization=True))"
-        )
-    return files
 
 
 def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,7 +6,7 @@ import hashlib
 import logging
 from pathlib import Path
 
-from engine import host_alloc, loader, platform
+from engine import host_alloc, platform
 from engine.config import EngineConfig
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
@@ -17,13 +17,14 @@ from engine.kvcache.storage import KVNamespace, make_store, model_digest
 from engine.kvcache.storage.page_seal import load_secret
 from engine.kvcache.storage.tier import StorageTier
 from engine.kvcache.transfer import KVTransfer, TransferFactory
+from engine.model_files import default_cache_dir
 
 logger = logging.getLogger("hiserve.hicache")
 
 
 def digest_cache(config: EngineConfig) -> Path:
     """Where checkpoint digests are kept between starts (see ``keys.model_digest``)."""
-    base = Path(config.cache_dir).expanduser() if config.cache_dir else loader.default_cache_dir()
+    base = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     return base / "checkpoint-digests.json"
 
 

@@ -104,7 +104,7 @@ def plan_packed(gguf_path: Path, model_dir: Path, model: nn.Module) -> PackedPla
     import gguf
     from safetensors import safe_open
 
-    from engine.loader import safetensors_files
+    from engine.model_files import safetensors_files
 
     reader = gguf.GGUFReader(str(gguf_path))
     arch_field = reader.fields["general.architecture"]
@@ -177,7 +177,7 @@ def iter_weights(model_dir: Path, plan: PackedPlan) -> Iterator[tuple[str, Any]]
     ``QuantTensor`` (their dense copy is never read)."""
     from safetensors import safe_open
 
-    from engine.loader import safetensors_files
+    from engine.model_files import safetensors_files
 
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as fh:
