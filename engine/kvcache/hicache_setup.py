@@ -93,6 +93,18 @@ def fit_pinned_tokens(tokens: int, bytes_per_token: int, page_size: int, method:
     return fitted
 
 
+def host_tier_tokens(
+    config: EngineConfig, device_tokens: int, bytes_per_token: int, page_size: int, method: str
+) -> int:
+    """Host-tier tokens of one rank: --hicache-size GB, else --hicache-ratio x its device
+    pool, in whole pages that pin no more than asked (see fit_pinned_tokens)."""
+    if config.hicache_size is not None:
+        tokens = int(config.hicache_size * 1e9) // bytes_per_token
+    else:
+        tokens = int(device_tokens * config.hicache_ratio)
+    return fit_pinned_tokens(tokens, bytes_per_token, page_size, method)
+
+
 def build_hicache(
     config: EngineConfig,
     allocator: PageAllocator,
@@ -102,12 +114,9 @@ def build_hicache(
 ) -> tuple[HiRadixCache, HostKVPool]:
     """Size the host tier (--hicache-size GB, else --hicache-ratio x device pool)."""
     per_token = device_pool.bytes_per_token
-    if config.hicache_size is not None:
-        host_tokens = int(config.hicache_size * 1e9) // per_token
-    else:
-        host_tokens = int(allocator.capacity * config.hicache_ratio)
-    host_tokens = fit_pinned_tokens(
-        host_tokens,
+    host_tokens = host_tier_tokens(
+        config,
+        allocator.capacity,
         per_token,
         allocator.page_size,
         host_alloc.host_alloc_method(spec, config.hicache_host_alloc),
