@@ -121,6 +121,8 @@ def test_every_object_loads_strictly(rendered: tuple[str, dict[tuple[str, str], 
         ("ServiceAccount", "hiserve-router"),
         ("Role", "hiserve-router-pods"),
         ("RoleBinding", "hiserve-router-pods"),
+        ("NetworkPolicy", "hiserve-replicas"),
+        ("NetworkPolicy", "hiserve-router"),
     }
     for doc in docs.values():
         load(doc)
