@@ -33,6 +33,10 @@ DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # is ended: an ambiguous grammar's per-step cost grows without bound (issue 25: 15 ms to
 # over 1 s within ten tokens), and every other request waits for it.
 DEFAULT_STEP_BUDGET_S = 0.05
+# A request may wait this many compile timeouts for a worker to take its constraint: the
+# workers kill every compile at one timeout, so a queue behind slow constraints drains,
+# and a small constraint queued behind them must not fail for their slowness.
+QUEUE_WAIT_TIMEOUTS = 4
 
 
 def xgrammar_available() -> bool:
@@ -127,7 +131,7 @@ class GrammarBackend:
         return RequestGrammar(
             spec=spec,
             future=self.submit(spec),
-            deadline=time.monotonic() + self.compile_timeout_s,
+            deadline=time.monotonic() + QUEUE_WAIT_TIMEOUTS * self.compile_timeout_s,
             timeout_s=self.compile_timeout_s,
             stop_token_ids=stops if extra_stop_ids else None,
             step_budget_s=self.step_budget_s,
@@ -147,19 +151,28 @@ class RequestGrammar:
 
     spec: GrammarSpec
     future: Future[Any]
-    deadline: float  # time.monotonic() by which the compile must be done
+    deadline: float  # time.monotonic() by which a worker must have taken the compile
     timeout_s: float
     stop_token_ids: list[int] | None = None  # None: the tokenizer description's stop set
     matcher: Any = field(default=None, repr=False)
     step_budget_s: float = DEFAULT_STEP_BUDGET_S
     step_s: float = 0.0  # grammar time of the current step: mask fill, then accept
+    compile_started: float | None = None  # when a worker was first seen compiling it
 
     def poll(self, now: float) -> GrammarError | None:
         """Make the matcher once the grammar is compiled; an error if it never will be."""
         if self.matcher is not None:
             return None
         if not self.future.done():
-            if now < self.deadline:
+            if self.future.running() and self.compile_started is None:
+                self.compile_started = now
+            # NOTE: the worker stops a compile at the timeout and fails the future itself;
+            # these deadlines are a backstop (one second of slack for the kill).
+            if self.compile_started is not None:
+                expired = now > self.compile_started + self.timeout_s + 1.0
+            else:
+                expired = now >= self.deadline
+            if not expired:
                 return None
             return GrammarError(
                 f"{self.spec.param}: the constraint did not compile within "

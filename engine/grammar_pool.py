@@ -44,17 +44,17 @@ def worker_main(conn: Any, tokenizer_info_json: str) -> None:
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    conn.send(("ready", ""))
-    while True:
-        try:
+    try:
+        conn.send(("ready", ""))
+        while True:
             kind, text = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            compiled = _compile_in_child(compiler, kind, text)
-            conn.send(("ok", compiled.serialize_json()))
-        except Exception as exc:  # the constraint's fault: report it, keep serving
-            conn.send(("error", str(exc).strip().splitlines()[0] if str(exc).strip() else ""))
+            try:
+                reply = ("ok", _compile_in_child(compiler, kind, text).serialize_json())
+            except Exception as exc:  # the constraint's fault: report it, keep serving
+                reply = ("error", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            conn.send(reply)
+    except (EOFError, OSError):  # the server closed the pipe (shutdown, or a kill)
+        return
 
 
 class _Child:
@@ -145,6 +145,7 @@ class CompilePool:
             if job is None:
                 return
             spec, future = job
+            future.set_running_or_notify_cancel()  # requests time the compile from here
             try:
                 compiled = self._compile(slot, spec)
             except GrammarError as exc:

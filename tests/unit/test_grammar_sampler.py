@@ -267,3 +267,21 @@ def test_a_step_over_the_budget_is_an_error_naming_the_field(backend: GrammarBac
     error = slow.over_budget()
     assert isinstance(error, GrammarError) and error.param == "guided_regex"
     assert "above the 50 ms budget" in str(error)
+
+
+def test_a_queued_compile_waits_for_a_worker_but_a_running_one_is_timed(
+    backend: GrammarBackend,
+) -> None:
+    """Issue 25 item 7: a small constraint queued behind slow ones (which the workers kill
+    at the timeout) must not fail for their slowness; its own compile is timed."""
+    from concurrent.futures import Future
+
+    grammar = backend.start(GrammarSpec.choice(["yes", "no"], "guided_choice"))
+    grammar.future = Future()  # queued: no worker has taken it yet
+    start = grammar.deadline - 4 * grammar.timeout_s
+    assert grammar.poll(start + 2 * grammar.timeout_s) is None  # would have failed before
+    grammar.future.set_running_or_notify_cancel()
+    assert grammar.poll(start + 2 * grammar.timeout_s) is None  # its compile starts now
+    assert grammar.poll(start + 3 * grammar.timeout_s) is None
+    late = grammar.poll(start + 3 * grammar.timeout_s + 1.5)
+    assert isinstance(late, GrammarError) and late.param == "guided_choice"

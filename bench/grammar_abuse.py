@@ -1,0 +1,178 @@
+"""Replay issue 25's grammar and output-size attacks against a running server, with a
+canary measuring what each costs everyone else.
+
+    python -m bench.grammar_abuse --base-url http://127.0.0.1:8000 [--api-key KEY]
+
+Meanwhile a canary thread sends an 8-token completion every 0.5 s and a /health probe
+every 0.1 s. For each attack it prints the replies' status codes and the attack's wall
+time, plus the worst /health and canary latency while it ran. Start with a quiet
+baseline (no attack) to compare against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+Attack = Callable[["Target"], list[int]]
+
+
+@dataclass
+class Target:
+    base_url: str
+    api_key: str | None
+
+    def post(self, path: str, body: dict[str, object] | str, timeout: float = 300) -> int:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        content = body if isinstance(body, str) else json.dumps(body)
+        resp = httpx.post(self.base_url + path, content=content, headers=headers, timeout=timeout)
+        return resp.status_code
+
+
+@dataclass
+class Canary:
+    """Worst /health and tiny-completion latencies since the last ``reset``."""
+
+    target: Target
+    health_max: float = 0.0
+    canary_max: float = 0.0
+    failures: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def reset(self) -> None:
+        self.health_max = self.canary_max = 0.0
+        self.failures = 0
+
+    def _health(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            try:
+                ok = httpx.get(self.target.base_url + "/health", timeout=120).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            self.failures += not ok
+            self.health_max = max(self.health_max, time.perf_counter() - started)
+            time.sleep(0.1)
+
+    def _complete(self) -> None:
+        body = {"prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            try:
+                ok = self.target.post("/v1/completions", body, timeout=120) == 200
+            except httpx.HTTPError:
+                ok = False
+            self.failures += not ok
+            self.canary_max = max(self.canary_max, time.perf_counter() - started)
+            time.sleep(0.5)
+
+    def start(self) -> None:
+        for loop in (self._health, self._complete):
+            threading.Thread(target=loop, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _nested_arrays(depth: int) -> str:
+    return '{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth
+
+
+def deep_schema(t: Target) -> list[int]:
+    """950 nested arrays (35 KB): froze /health for 38.6 s before the depth cap."""
+    body = '{"prompt": "x", "max_tokens": 4, "guided_json": ' + _nested_arrays(950) + "}"
+    return [t.post("/v1/completions", body)]
+
+
+def ambiguous_ebnf(t: Target) -> list[int]:
+    """The EBNF whose per-token mask cost grows without bound, n=8 (canary 48 s before)."""
+    body = {
+        "prompt": "Write words:",
+        "max_tokens": 64,
+        "n": 8,
+        "guided_grammar": "root ::= x\nx ::= [a-z]* | x x | x x x",
+    }
+    return [t.post("/v1/completions", body)]
+
+
+def slow_compiles(t: Target) -> list[int]:
+    """Two slow-to-compile schemas on both compile workers, then an unrelated choice."""
+
+    def slow(k: int) -> int:
+        schema = {
+            "type": "object",
+            "properties": {
+                f"p{i}": {"type": "string", "minLength": 90 + k + i, "maxLength": 128}
+                for i in range(6)
+            },
+        }
+        return t.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_json": schema})
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(slow, k) for k in range(2)]
+        time.sleep(1.0)
+        choice = t.post(
+            "/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_choice": ["yes", "no"]}
+        )
+        return [f.result() for f in futures] + [choice]
+
+
+def logprob_flood(t: Target) -> list[int]:
+    body = {"prompt": "x", "max_tokens": 8000, "n": 128, "logprobs": 20}
+    return [t.post("/v1/completions", body)]
+
+
+def long_stops(t: Target) -> list[int]:
+    body = {"prompt": "x", "max_tokens": 32, "stop": ["q" * 60_000] * 16}
+    return [t.post("/v1/completions", body)]
+
+
+ATTACKS: dict[str, Attack] = {
+    "quiet": lambda t: [],
+    "deep_schema": deep_schema,
+    "ambiguous_ebnf": ambiguous_ebnf,
+    "slow_compiles": slow_compiles,
+    "logprob_flood": logprob_flood,
+    "long_stops": long_stops,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--attacks", nargs="+", choices=list(ATTACKS), default=list(ATTACKS))
+    parser.add_argument("--quiet-s", type=float, default=5.0, help="length of the baseline")
+    args = parser.parse_args(argv)
+    target = Target(args.base_url.rstrip("/"), args.api_key)
+    canary = Canary(target)
+    canary.start()
+    time.sleep(1.0)
+    print(f"{'attack':16} {'status':24} {'wall s':>7} {'health max s':>12} {'canary max s':>12}")
+    for name in args.attacks:
+        canary.reset()
+        started = time.perf_counter()
+        statuses = ATTACKS[name](target)
+        if name == "quiet":
+            time.sleep(args.quiet_s)
+        wall = time.perf_counter() - started
+        time.sleep(0.6)  # let the canary in flight land inside this attack's window
+        print(
+            f"{name:16} {','.join(map(str, statuses)) or '-':24} {wall:7.2f} "
+            f"{canary.health_max:12.3f} {canary.canary_max:12.3f}"
+            + (f"  ({canary.failures} canary failures)" if canary.failures else "")
+        )
+    canary.stop()
+
+
+if __name__ == "__main__":
+    main()
