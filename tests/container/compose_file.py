@@ -7,8 +7,8 @@ uses without a .env file.
 
 from __future__ import annotations
 
+import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -60,19 +60,20 @@ def compose_vars(raw: Any) -> set[str]:
     return set()
 
 
-def router_argv(svc: dict[str, Any], api_key: str) -> list[str]:
-    """The router's command line as its shell would build it, with HISERVE_API_KEY set to
-    ``api_key`` (compose defaults for everything else)."""
+def router_argv(svc: dict[str, Any], api_key: str, admin_key: str = "") -> list[str]:
+    """The router's command line as its shell builds it (the real ``/bin/sh``, with
+    ``smg`` swapped for ``printf``), with HISERVE_API_KEY set to ``api_key`` and
+    HISERVE_ADMIN_KEY to ``admin_key`` (compose defaults for everything else)."""
     assert svc["entrypoint"] == ["/bin/sh", "-c"]
     (script,) = svc["command"]
-    env = {**svc["environment"], "ROUTER_API_KEY": api_key}
-    script = re.sub(
-        r"\$\{ROUTER_API_KEY:\+([^}]*)\}", lambda m: m.group(1) if api_key else "", script
+    assert "exec smg launch " in script
+    script = script.replace("exec smg launch ", "exec printf '%s\\0' ", 1)
+    env = {k: str(v) for k, v in svc["environment"].items()}
+    env.update(ROUTER_API_KEY=api_key, ROUTER_ADMIN_KEY=admin_key, PATH=os.environ["PATH"])
+    done = subprocess.run(
+        ["/bin/sh", "-c", script], env=env, capture_output=True, timeout=30, check=True
     )
-    script = re.sub(r"\$([A-Z_]+)", lambda m: env[m.group(1)], script)
-    argv = shlex.split(script)
-    assert argv[:3] == ["exec", "smg", "launch"], argv[:3]
-    return argv[3:]
+    return done.stdout.decode().split("\0")[:-1]
 
 
 def parse_router(argv: list[str]) -> Any:

@@ -100,6 +100,13 @@ def test_router_command_is_valid_for_smg(services: dict[str, Any], profile: str)
     assert 0 < args.cache_threshold <= 1 and args.balance_rel_threshold >= 1
     # smg refuses an empty key: without HISERVE_API_KEY the flag is left out entirely
     assert parse_router(router_argv(svc, api_key="")).api_key is None
+    # With an admin key (issue 25 item 4): the replicas and the control plane get it, the
+    # clients' key opens only the serving routes.
+    split = parse_router(router_argv(svc, api_key="sk-client", admin_key="sk admin"))
+    assert split.api_key == "sk admin"
+    assert [tuple(k) for k in split.tenant_api_keys] == [("clients", "sk-client")]
+    assert [k[2:] for k in map(tuple, split.control_plane_api_keys)] == [("sk admin", "admin")]
+    assert services[replicas[0]]["environment"]["HISERVE_ADMIN_KEY"] == ""  # the same var
     check = " ".join(svc["healthcheck"]["test"])
     assert f"127.0.0.1:{ROUTER_PORT}/readiness" in check
 

@@ -154,6 +154,7 @@ def test_replicas(rendered: tuple[str, dict[tuple[str, str], Any]]) -> None:
     port = next(p for p in server["ports"] if p["name"] == "http")["containerPort"]
     assert env["HISERVE_PORT"] == str(port) and env["HISERVE_HOST"] == "0.0.0.0"
     assert env["HISERVE_API_KEY"] == {"secretKeyRef": {"name": SECRET[0], "key": SECRET[1]}}
+    assert env["HISERVE_ADMIN_KEY"] == {"secretKeyRef": {"name": SECRET[0], "key": "admin-key"}}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert server[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
     assert server["resources"]["requests"]["cpu"] and server["resources"]["requests"]["memory"]
@@ -184,7 +185,7 @@ def router_args(docs: dict[tuple[str, str], Any]) -> Any:
     from smg.launch_router import parse_router_args
 
     router = container(docs[("Deployment", "hiserve-router")], "router")
-    values = {"POD_NAMESPACE": "hiserve", "ROUTER_API_KEY": "sk-test"}
+    values = {"POD_NAMESPACE": "hiserve", "ROUTER_API_KEY": "sk-test", "ROUTER_ADMIN_KEY": "sk-adm"}
     argv = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in router["args"]]
     return parse_router_args(argv)
 
@@ -203,10 +204,16 @@ def test_router_discovers_the_replicas(rendered: tuple[str, dict[tuple[str, str]
     assert args.service_discovery_port == server["ports"][0]["containerPort"]
     assert args.service_discovery_namespace == "hiserve"
     assert args.policy == "cache_aware" and args.disable_retries is True
-    assert args.api_key == "sk-test"
+    # the replicas' admin key; clients' key only on the serving routes (issue 25 item 4)
+    assert args.api_key == "sk-adm"
+    assert [tuple(k) for k in args.tenant_api_keys] == [("clients", "sk-test")]
+    assert [tuple(k)[2:] for k in args.control_plane_api_keys] == [("sk-adm", "admin")]
     router = container(router_deployment, "router")
     assert env_of(router)["ROUTER_API_KEY"] == {
         "secretKeyRef": {"name": SECRET[0], "key": SECRET[1]}
+    }
+    assert env_of(router)["ROUTER_ADMIN_KEY"] == {
+        "secretKeyRef": {"name": SECRET[0], "key": "admin-key"}
     }
     assert env_of(router)["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     http = next(p for p in router["ports"] if p["name"] == "http")["containerPort"]
