@@ -92,6 +92,7 @@ class Engine:
             config.attention_backend,
             self.tp.shard if self.tp is not None else None,
             gguf_path=self.gguf_packed_path,
+            bf16_weights=self.weights.bf16_weights,
         )
         backend: Any = getattr(self.model, "attn_backend", None)
         self.attention_backend: str = backend.name if backend is not None else "unknown"
