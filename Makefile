@@ -30,7 +30,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# xgrammar's wheel requires triton (about 1 GB, CUDA-only, wrong on MUSA): install it
 	# without dependencies; the `grammar` extra lists the ones it really needs.
 	$(PIP) install -q --no-deps "$(XGRAMMAR_PIN)"
-	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu]"
+	# triton (the `kernels` extra) is installed after xgrammar on purpose: CPU CI runs the
+	# Triton kernels under its interpreter; xgrammar keeps its CPU path.
+	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu,kernels]"
 	touch $@
 
 setup: $(VENV)/.installed

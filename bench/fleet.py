@@ -4,9 +4,15 @@ Used by ``hiserve-bench --compare-policies`` and by the fleet integration tests.
 router is the real ``smg`` (``pip install 'hiserve[fleet]'``), never a stand-in.
 
 Ports: each process gets a port that was free a moment ago. Another process may take it
-in between, so every replica and the router is started with a fresh random API key and
-counts as ours only once an authenticated call with that key succeeds; a process that
+in between, so every replica and the router is started with fresh random keys and counts
+as ours only once an authenticated call with the admin key succeeds; a process that
 cannot bind exits, and is started again on another port.
+
+Keys: clients hold ``api_key``; the router and the replicas share ``admin_key``. The router
+checks ``api_key`` as a tenant key on the serving routes and forwards it to the replica,
+which checks it as its client key; its admin routes (``/workers``, ``/flush_cache``, ...)
+take ``admin_key`` only, which is also what it sends on its own probes of the replicas
+(smg's ``--api-key``), where it opens ``/server_info``, ``/v1/loads`` and ``/flush_cache``.
 """
 
 from __future__ import annotations
@@ -82,16 +88,21 @@ class Process:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def spawn(self, args: list[str]) -> None:
+    def spawn(
+        self, args: list[str], env: dict[str, str] | None = None, hidden: tuple[str, ...] = ()
+    ) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        shown = " ".join(args)
+        for secret in hidden:
+            shown = shown.replace(secret, "***")
         with self.log_path.open("ab") as log:
-            log.write(f"\n=== {' '.join(args)}\n".encode())
+            log.write(f"\n=== {shown}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
                 args,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_child_env(),
+                env={**_child_env(), **(env or {})},
                 start_new_session=True,  # a Ctrl-C in the terminal goes to the bench only
             )
 
@@ -151,6 +162,7 @@ class LocalFleet:
     server_args: Sequence[str] = ()
     router_args: Sequence[str] = FAST_ROUTER_FLAGS
     api_key: str = field(default_factory=lambda: "fleet-" + secrets.token_hex(12))
+    admin_key: str = field(default_factory=lambda: "fleet-admin-" + secrets.token_hex(12))
     ready_timeout: float = 600.0
     workers: list[Process] = field(init=False)
     router: Process = field(init=False)
@@ -181,14 +193,14 @@ class LocalFleet:
                 HOST,
                 "--port",
                 str(port),
-                "--api-key",
-                self.api_key,
-            ]
+            ],
+            # NOTE: keys through the environment, which `ps` does not show.
+            env={"HISERVE_API_KEY": self.api_key, "HISERVE_ADMIN_KEY": self.admin_key},
         )
 
     def _replica_ready(self, worker: Process) -> bool:
-        # /server_info needs our key: a 200 proves the port is ours and the model loaded.
-        response = _get(worker.url + "/server_info", self.api_key)
+        # /server_info needs our admin key: a 200 proves the port is ours and the model loaded.
+        response = _get(worker.url + "/server_info", self.admin_key)
         return response is not None and response.status_code == 200
 
     def _await_replicas(self, workers: list[Process], same_port: bool) -> None:
@@ -241,21 +253,28 @@ class LocalFleet:
                 HOST,
                 "--port",
                 str(router.port),
+                # what it sends to the replicas, which take it as their admin key
                 "--api-key",
-                self.api_key,
+                self.admin_key,
+                # the clients' key (smg has no separate listener for admin routes)
+                "--tenant-api-key",
+                f"clients:{self.api_key}",
+                "--control-plane-api-keys",
+                f"fleet-admin:fleet admin:admin:{self.admin_key}",
                 # its metrics listener defaults to 0.0.0.0:29000: keep it local and free
                 "--prometheus-host",
                 HOST,
                 "--prometheus-port",
                 str(prometheus_port),
                 *self.router_args,
-            ]
+            ],
+            hidden=(self.api_key, self.admin_key),
         )
 
     def healthy_workers(self, router: Process | None = None) -> set[str]:
         """URLs of the replicas the router (default: the main one) currently routes to."""
         router = router or self.router
-        response = _get(router.url + "/workers", self.api_key)
+        response = _get(router.url + "/workers", self.admin_key)
         if response is None or response.status_code != 200:
             return set()
         return {w["url"] for w in response.json().get("workers", []) if w.get("is_healthy")}

@@ -19,7 +19,7 @@ its tokens/s, with the bandwidth of a large tensor copy measured in the same run
 (issue 13): the batch at >= 80% of its matmul floor, one stream at >= 85% of its
 bandwidth floor. Since a decode step only reads its weights, the same floor against a
 large read-only stream is printed too, with the single stream's share of it; both
-bandwidths are the best of several passes, the median beside them (see bench.bandwidth).
+bandwidths are the best of several passes, the median beside them (see bench.micro.bandwidth).
 
 ``--tp N`` splits the model over N ranks (processes; on the CPU they share its cores, so
 this checks tensor parallelism end to end rather than speeding anything up). The matmul
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench.bandwidth import copy_bandwidth, read_bandwidth
+from bench.micro.bandwidth import copy_bandwidth, read_bandwidth
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ATTENTION_BACKENDS
 from engine.layers.linear import FusedLinear

@@ -4,7 +4,7 @@ One run loads the model once per format (float32 and bf16 dense, dequantized fro
 at load; packed: the GGUF's own blocks, float32 activations) and measures, for each, a
 single stream and a batch of 32 through the engine (greedy, ``ignore_eos``), then the
 bytes of weights one decode step reads against the read-only bandwidth measured in the
-same run (bench/bandwidth.py): the single stream's share of its own floor.
+same run (bench/micro/bandwidth.py): the single stream's share of its own floor.
 
     python -m bench.weights [--model default] [--single-tokens 128] [--formats ...]
 """
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bench.bandwidth import read_bandwidth
+from bench.micro.bandwidth import read_bandwidth
 from bench.offline import make_workload, run_engine
 from engine import Engine, EngineConfig
 from engine.layers.linear import FusedLinear

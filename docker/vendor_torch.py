@@ -10,8 +10,9 @@ Used at image build time (stdlib only, any Python >= 3.10):
 the torch family (and numpy, whose ABI the torch build depends on); packages installed
 from a file or URL get plain versions too, because pip refuses URLs as constraints.
 ``verify`` fails (exit 1) when a frozen package changed version, a required distribution
-is gone, any ``nvidia-*`` package got in (a CUDA torch from PyPI brings them), or torch
-is a CUDA build.
+is gone, a new ``nvidia-*`` package got in (a CUDA torch from PyPI brings them), or torch
+is a CUDA build. ``nvidia-*`` packages the base image already shipped are pinned at
+freeze time like the torch family, so only ones that arrived later are flagged.
 
 NOTE: nothing here imports torch. torch >= 2.5 autoloads torch_musa (>= 2.1) inside
 ``import torch``, and torch_musa needs MUSA driver libraries that exist only in a
@@ -29,6 +30,7 @@ from pathlib import Path
 
 # Distributions whose versions must never change after the base image installed them.
 FROZEN = ("torch", "torch-musa", "torchvision", "torchaudio", "triton", "pytorch-triton", "numpy")
+NVIDIA_PREFIX = "nvidia-"
 
 
 def canonical(name: str) -> str:
@@ -56,9 +58,14 @@ def installed() -> dict[str, str]:
     return found
 
 
+def _frozen(name: str) -> bool:
+    """Pinned at freeze time: the torch family, and any nvidia-* the base image shipped."""
+    return name in FROZEN or name.startswith(NVIDIA_PREFIX)
+
+
 def freeze(out: Path, required: list[str]) -> int:
     now = installed()
-    pins = {name: version for name, version in now.items() if name in FROZEN}
+    pins = {name: version for name, version in now.items() if _frozen(name)}
     missing = [name for name in map(canonical, required) if name not in pins]
     if missing:
         print(
@@ -74,15 +81,19 @@ def freeze(out: Path, required: list[str]) -> int:
 
 
 def problems(pins: dict[str, str], now: dict[str, str]) -> list[str]:
-    """What changed since the freeze: replaced or removed pins, and nvidia-* packages."""
+    """What changed since the freeze: replaced or removed pins, and nvidia-* packages
+    that were not there at the freeze."""
     found = [
         f"{name} was {version}, now {now.get(name, 'uninstalled')}"
         for name, version in sorted(pins.items())
         if now.get(name) != version
     ]
-    nvidia = sorted(name for name in now if name.startswith("nvidia-"))
+    nvidia = sorted(name for name in now if name.startswith(NVIDIA_PREFIX) and name not in pins)
     if nvidia:
-        found.append("CUDA packages got in (something pulled a CUDA torch): " + ", ".join(nvidia))
+        found.append(
+            "CUDA packages got in after the freeze (something pulled a CUDA torch): "
+            + ", ".join(nvidia)
+        )
     return found
 
 

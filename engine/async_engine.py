@@ -66,6 +66,7 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         new_token_ids=first.new_token_ids + later.new_token_ids,
         new_text=first.new_text + later.new_text,
         new_logprobs=new_logprobs,
+        prompt_logprobs=later.prompt_logprobs or first.prompt_logprobs,
         first_token_time=first.first_token_time or later.first_token_time,
     )
 

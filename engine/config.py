@@ -17,8 +17,11 @@ HICACHE_HOST_ALLOC = ("auto", "pin_memory", "host_register", "pageable")
 HICACHE_STORAGE_BACKENDS = ("none", "file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Tokens per KV page when an L3 storage backend is set and no page size was given: the
+# store keeps one object per page, so one token per page (the default) cannot work.
+L3_DEFAULT_PAGE_SIZE = 16
 # auto: the native CPU decode kernel for float32 on the CPU where it builds, else torch.
-ATTENTION_BACKENDS = ("auto", "torch", "cpu_native")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_native", "triton")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,12 @@ class CacheConfig(ModelConfig):
     # L3: a page store below the host tier, shared by replicas and kept across restarts.
     hicache_storage_backend: str = "none"
     hicache_storage_dir: str | None = None  # the file backend's directory
-    hicache_storage_size: float | None = None  # GB the file backend may use; None: no limit
+    # GB the file backend's directory may hold, every replica's pages counted.
+    hicache_storage_size: float = 16.0
+    # The fleet secret L3 pages are authenticated with is read from this file (or from
+    # $HISERVE_HICACHE_STORAGE_SECRET); see docs/cache-security.md.
+    hicache_storage_secret_file: str | None = None
+    hicache_storage_encrypt: bool = False  # AES-GCM the file backend's pages at rest
     hicache_storage_prefetch_policy: str = "timeout"
     # Prompts continuing past their device/host match by fewer tokens skip the store.
     hicache_storage_prefetch_threshold: int = 256
@@ -79,15 +87,20 @@ class SchedulerConfig(CacheConfig):
     # One forward holds the running requests' decode tokens and new prefill chunks
     # together (SGLang's --enable-mixed-chunk); False: prefill and decode steps alternate.
     # None (auto): mixed unless decode steps replay device graphs, whose graphed decode
-    # step beats an eager mixed one (measured on an H200; see README "Mixed batches").
+    # step beats an eager mixed one (measured on an H200; see docs/performance.md, "Mixed batches").
     enable_mixed_batches: bool | None = None
     # Context length; None: the model config's max_position_embeddings.
     max_model_len: int | None = None
     max_stop_strings: int = 16
+    # Longest stop string (characters): every step searches the new text for each one.
+    max_stop_chars: int = 512
     # Most stop_token_ids per request (held as a set, validated once per request).
     max_stop_token_ids: int = 256
     # Most top logprobs per token a request may ask for (vLLM's max_logprobs).
     max_logprobs: int = 20
+    # Most logprob entries one request may return: choices x max_tokens x (1 + top
+    # logprobs); about 80 bytes of JSON each.
+    max_logprob_entries: int = 1 << 20
     # Outputs a stream may have queued for a reader that is not reading; past that they
     # are merged into one pending delta, and a reader that stays away for
     # stream_stall_timeout seconds has its request ended and its KV freed.
@@ -101,6 +114,13 @@ class EngineConfig(SchedulerConfig):
 
     # Seconds a structured-output request waits for its grammar to compile before it fails.
     grammar_compile_timeout: float = 30.0
+    # Grammar work (mask fill + accept) one request may take per generated token, in ms;
+    # past it the request ends with an error (an ambiguous grammar's cost grows per step).
+    grammar_step_budget_ms: float = 50.0
+    # Compiled grammars kept for reuse, in MB of xgrammar's own accounting (LRU).
+    grammar_cache_mb: float = 256.0
+    # Most choices (prompts x n) of one constrained request: each copy has its own matcher.
+    max_grammar_choices: int = 8
     # Device graphs (CUDA / MUSA) replay pure decode steps (engine/graph_runner.py); they
     # are never used on the CPU, which has none. SGLang's flag names.
     disable_cuda_graph: bool = False
@@ -128,6 +148,10 @@ class EngineConfig(SchedulerConfig):
                     "an L3 storage backend sits below the HiCache host tier: add "
                     "--enable-hierarchical-cache (or drop --hicache-storage-backend)"
                 )
+            if not self.hicache_storage_size > 0:
+                raise ValueError(
+                    f"hicache_storage_size must be > 0 GB, got {self.hicache_storage_size}"
+                )
             if self.page_size < 2:
                 raise ValueError(
                     "the L3 store keeps one object per KV page, so --page-size 1 would "
@@ -148,6 +172,8 @@ class EngineConfig(SchedulerConfig):
             "chunked_prefill_size",
             "max_waiting_requests",
             "max_stop_token_ids",
+            "max_stop_chars",
+            "max_logprob_entries",
             "max_queued_outputs",
         ):
             if getattr(self, name) < 1:
@@ -167,6 +193,14 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"kv_mem_fraction must be in (0, 1], got {self.kv_mem_fraction}")
         if self.hicache_ratio <= 0:
             raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.grammar_step_budget_ms <= 0:
+            raise ValueError(
+                f"grammar_step_budget_ms must be > 0, got {self.grammar_step_budget_ms}"
+            )
+        if self.grammar_cache_mb < 0:
+            raise ValueError(f"grammar_cache_mb must be >= 0, got {self.grammar_cache_mb}")
+        if self.max_grammar_choices < 1:
+            raise ValueError(f"max_grammar_choices must be >= 1, got {self.max_grammar_choices}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0 s, got {self.grammar_compile_timeout}"

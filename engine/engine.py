@@ -9,23 +9,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from engine import dtypes, loader, platform
+from engine.build import build_engine_parts
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_stats import EngineStats
-from engine.grammar import EngineGrammars, GrammarBackend
+from engine.grammar import GrammarBackend
 from engine.grammar_spec import check_spec
-from engine.graph_runner import build_decode_graphs
-from engine.kv_setup import KVSetup, build_kv
-from engine.model_runner import ModelRunner
-from engine.models import gguf_packed
+from engine.kv_setup import KVSetup
 from engine.outputs import check_stop, make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
-from engine.sampler import Sampler, make_generator
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.tp_runtime import TPRuntime
+from engine.sampler import make_generator
+from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger("hiserve.engine")
 
@@ -39,38 +33,31 @@ class Engine:
         if config is None:
             config = EngineConfig(**overrides)  # type: ignore[arg-type]
         self.config = config
-        self.device_spec = platform.resolve_device(config.device)
-        self.device = platform.to_torch_device(self.device_spec)
-        # NOTE: calls without a device (event waits, current_stream) mean the current one;
-        # AsyncEngine's loop thread sets it again, as a new thread starts on device 0.
-        platform.set_device(self.device_spec)
-        torch.manual_seed(config.seed)
-
-        self.model_path: Path = loader.resolve_model_path(config.model, config.cache_dir)
-        gguf_file = loader.gguf_file_of(config.model)
-        self.weights = dtypes.choose_weights(
-            config.dtype,
-            self.device_spec,
-            gguf=gguf_file is not None and gguf_packed.packing_enabled(),
-            tp_size=config.tensor_parallel_size,
-        )
-        self.dtype = self.weights.dtype
-        self.gguf_packed_path = gguf_file if self.weights.packed_gguf else None
-        logger.info("weights: %s (%s)", str(self.dtype)[6:], self.weights.reason)
-        self.hf_config = loader.load_hf_config(self.model_path)
-        self.tokenizer = loader.load_tokenizer(self.model_path)
-        # Tensor parallel: workers start now and load their shards while rank 0 does.
-        self.tp = (
-            TPRuntime(config, self.device_spec, self.model_path)
-            if config.tensor_parallel_size > 1
-            else None
-        )
-        try:
-            self._build(config)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.stop(graceful=False)
-            raise
+        parts = build_engine_parts(config)  # every collaborator, wired through constructors
+        self.device_spec = parts.device_spec
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.weights = parts.weights
+        self.model_path: Path = parts.model_path
+        self.hf_config = parts.hf_config
+        self.tokenizer = parts.tokenizer
+        self.tp = parts.tp
+        self.model = parts.model
+        backend: Any = getattr(self.model, "attn_backend", None)
+        self.attention_backend: str = backend.name if backend is not None else "unknown"
+        self.vocab_size: int = self.hf_config.vocab_size
+        self.max_model_len = parts.max_model_len
+        self.served_model_name = parts.served_model_name
+        self.eos_token_ids = parts.eos_token_ids
+        self.kv: KVSetup = parts.kv
+        self.scheduler = parts.scheduler
+        self.sampler = parts.sampler
+        self.grammars = parts.grammars
+        self.runner = parts.runner
+        self.requests: dict[str, Req] = {}
+        self.reporter = EngineStats(self.scheduler, self.kv)
+        self.counters = self.reporter.counters  # totals since start, also in stats()
+        self.check_invariants = False  # tests turn this on: accounting checked every step
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d "
             "max_model_len=%d tp=%d",
@@ -82,71 +69,6 @@ class Engine:
             self.max_model_len,
             config.tensor_parallel_size,
         )
-
-    def _build(self, config: EngineConfig) -> None:
-        """Model, KV, scheduler, sampler and runner (this rank's shard under TP)."""
-        self.model = loader.load_model(
-            self.model_path,
-            self.device,
-            self.dtype,
-            config.attention_backend,
-            self.tp.shard if self.tp is not None else None,
-            gguf_path=self.gguf_packed_path,
-            bf16_weights=self.weights.bf16_weights,
-        )
-        backend: Any = getattr(self.model, "attn_backend", None)
-        self.attention_backend: str = backend.name if backend is not None else "unknown"
-        self.vocab_size: int = self.hf_config.vocab_size
-        context: Any = config.max_model_len or getattr(
-            self.hf_config, "max_position_embeddings", 2048
-        )
-        self.max_model_len = int(context)
-        self.served_model_name = config.served_model_name or loader.default_served_name(
-            config.model, self.model_path
-        )
-        self.eos_token_ids = loader.eos_token_ids_of(self.hf_config, self.tokenizer)
-
-        shard_config = self.model.config  # the rank's heads and MLP share under TP
-        if self.tp is not None:
-            config = self.tp.agree_kv(config, shard_config, self.device_spec, self.dtype)
-        self.kv: KVSetup = build_kv(
-            config,
-            shard_config,
-            self.device_spec,
-            self.device,
-            self.dtype,
-            self.max_model_len,
-            self.model_path,
-        )
-        self.scheduler = Scheduler(config, self.kv.manager, self.max_model_len)
-        self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv.device_pool,
-            self.kv.req_table,
-            self.sampler,
-            self.device,
-            self.eos_token_ids,
-        )
-        self.runner.graphs = build_decode_graphs(
-            config, self.model, self.kv, self.device_spec, self.device
-        )
-        if config.enable_mixed_batches is None:  # auto: graphed decode steps beat mixed ones
-            self.scheduler.mixed = self.runner.graphs is None
-        self.grammars = EngineGrammars(
-            self.tokenizer,
-            self.vocab_size,
-            self.eos_token_ids,
-            config.grammar_compile_timeout,
-            self.device,
-        )
-        self.runner.masker = self.grammars.masker
-        self.requests: dict[str, Req] = {}
-        self.reporter = EngineStats(self.scheduler, self.kv)
-        self.counters = self.reporter.counters  # totals since start, also in stats()
-        self.check_invariants = False  # tests turn this on: accounting checked every step
-        if self.tp is not None:
-            self.tp.attach(self.kv, self.runner)
 
     # ------------------------------------------------------------------ input
     def tokenize(self, prompt: PromptType) -> list[int]:
@@ -178,6 +100,7 @@ class Engine:
             self.config.max_stop_strings,
             self.config.max_stop_token_ids,
             self.config.max_logprobs,
+            self.config.max_stop_chars,
         )
         if params.grammar is not None:
             check_spec(params.grammar)
@@ -268,6 +191,11 @@ class Engine:
                 continue
             if not req.output_ids and req.num_retractions == 0:
                 self.reporter.count_prompt(req)
+            if req.params.max_tokens == 0:
+                # Prompt scoring only: the prompt is complete and scored; drop the token.
+                self._finish(req, FinishReason.LENGTH)
+                outputs.append(make_output(req, finished=True))
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
             req.output_ids.append(token)
@@ -279,6 +207,12 @@ class Engine:
                 req.error = RuntimeError(
                     f"sampled token {token} is not allowed by the request's grammar"
                 )
+                self._finish(req, FinishReason.ABORT)
+                outputs.append(make_output(req, finished=True))
+                continue
+            over = req.grammar.over_budget() if req.grammar is not None else None
+            if over is not None:
+                req.error = over  # this request only; the others in the batch go on
                 self._finish(req, FinishReason.ABORT)
                 outputs.append(make_output(req, finished=True))
                 continue

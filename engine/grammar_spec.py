@@ -19,6 +19,15 @@ GrammarKind = Literal["json_schema", "regex", "choice", "ebnf"]
 # A constraint's text (schema, regex, grammar) may not be longer than this.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+# A regex compiles to an automaton that can grow exponentially with its length (a 7 KB
+# alternation held a compile worker for minutes, issue 25): regexes are kept short.
+MAX_REGEX_CHARS = 4096
+# JSON schema shape, checked (without recursion) before anything parses the schema.
+# Compile time grows cubically with nesting (950 nested arrays: 38 s; 200: 1.1 s to parse;
+# 63: 68 ms to compile) and super-linearly with width (2,000 optional properties: 78 s;
+# 512: 0.6 s). Depth counts nested JSON objects and arrays; nodes counts all of them.
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_NODES = 1024
 # String length bounds make xgrammar's grammar grow with the bound: measured here,
 # maxLength 40 compiles in 0.4 s and 200 in 1.9 s, and every step inside such a string
 # costs milliseconds. Past this cap, ask for a `pattern` instead.
@@ -78,12 +87,19 @@ class GrammarSpec:
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise GrammarError(f"{param} is not valid JSON: {exc}", param) from exc
+            except RecursionError as exc:
+                raise GrammarError(
+                    f"{param} is nested too deeply; at most {MAX_SCHEMA_DEPTH} levels of "
+                    "objects and arrays are allowed",
+                    param,
+                ) from exc
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):
             raise GrammarError(
                 f"{param} must be a JSON schema object, got {type(schema).__name__}", param
             )
+        check_schema_shape(schema, param)  # before json.dumps recurses into it
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
     @classmethod
@@ -138,8 +154,17 @@ def check_spec(spec: GrammarSpec) -> None:
     """Raise GrammarError unless ``spec`` is something the grammar engine enforces fully.
 
     Cached: parsing a schema takes up to milliseconds, and every choice of a request is
-    checked (failures raise and are not cached).
+    checked (failures raise and are not cached). The parse releases the GIL; the server
+    runs this in a worker thread, never on its event loop.
     """
+    check_spec_static(spec)
+    _parse_check(spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def check_spec_static(spec: GrammarSpec) -> None:
+    """The checks of ``check_spec`` that need no parse: sizes, shapes, keywords.
+    Microseconds to a millisecond, whatever the constraint: safe on an event loop."""
     if len(spec.value) > MAX_SPEC_CHARS:
         raise GrammarError(
             f"{spec.param} is {len(spec.value)} characters long; at most {MAX_SPEC_CHARS} "
@@ -148,13 +173,47 @@ def check_spec(spec: GrammarSpec) -> None:
         )
     if spec.kind == "regex" and "\x00" in spec.value:
         raise GrammarError(f"{spec.param} may not contain a NUL character", spec.param)
+    if spec.kind == "regex" and len(spec.value) > MAX_REGEX_CHARS:
+        raise GrammarError(
+            f"{spec.param} is a regular expression of {len(spec.value)} characters; at most "
+            f"{MAX_REGEX_CHARS} are allowed. Shorten it (long alternations compile slowly and "
+            "take much memory), or use a JSON schema with an `enum`",
+            spec.param,
+        )
     if spec.kind == "json_schema":
         check_schema_features(json.loads(spec.value), spec.param)
-    _parse_check(spec)
+
+
+def check_schema_shape(schema: Any, param: str) -> None:
+    """Refuse a schema nested deeper than MAX_SCHEMA_DEPTH or with more than
+    MAX_SCHEMA_NODES objects and arrays; iterative, so any depth is safe to walk."""
+    nodes = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(
+                f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and "
+                "arrays); flatten it",
+                param,
+            )
+        if nodes > MAX_SCHEMA_NODES:
+            raise GrammarError(
+                f"{param} has more than {MAX_SCHEMA_NODES} objects and arrays; split it or "
+                "simplify it",
+                param,
+            )
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children)
 
 
 def check_schema_features(schema: Any, param: str, path: str = "") -> None:
     """Refuse schema keywords xgrammar would silently ignore or unroll at great cost."""
+    if not path:
+        check_schema_shape(schema, param)  # bounds the recursion below
     if isinstance(schema, list):
         for i, item in enumerate(schema):
             check_schema_features(item, param, f"{path}/{i}")

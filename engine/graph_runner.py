@@ -1,9 +1,13 @@
 """Pure decode steps replayed from device graphs (CUDA / MUSA): one launch per step
 instead of hundreds, which is what bounds eager decode on a GPU.
 
-A graph is captured per (batch bucket, context bucket). The batch is padded up to its
-bucket with dummy rows, and the decode attention gathers every row's KV padded to the
-context bucket, so every shape inside the graph depends on the bucket only. Everything a
+With an attention backend that reads K/V in place (the Triton kernel; the native CPU
+kernel), a graph is captured per batch bucket only, all of them at start-up, largest
+first, each replay checked once against eager (engine/graph_startup.py); a failure turns
+graphs off before serving. With the gather fallback, a graph is captured lazily per
+(batch bucket, context bucket): the decode attention gathers every row's KV padded to the
+context bucket. Either way the batch is padded up to its bucket with dummy rows, so
+every shape inside the graph depends on the bucket only. Everything a
 step changes lives in static device buffers, copied in before each replay:
 
     input ids, positions, out slots, request-table rows, sequence lengths   [5, bucket]
@@ -20,7 +24,6 @@ padding, copy-in, the in-graph layout and the slicing of outputs are tested on a
 
 from __future__ import annotations
 
-import bisect
 import inspect
 import logging
 import time
@@ -30,19 +33,18 @@ from typing import Any, Protocol
 
 import torch
 
-from engine import platform
+from engine import graph_startup, platform
 from engine.config import EngineConfig
+from engine.graph_buckets import MIN_CONTEXT_BUCKET, batch_buckets, bucket_for, context_buckets
 from engine.host_alloc import pinned_empty
 from engine.kv_setup import KVSetup
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
-from engine.layers.moe import SparseMoE
+from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS, SparseMoE
 
 logger = logging.getLogger(__name__)
 
-# The smallest context bucket: below it, one bucket covers every short conversation.
-MIN_CONTEXT_BUCKET = 256
 # Most graphs held at once; steps past it that need a new bucket run eagerly.
 MAX_GRAPHS = 64
 # Eager runs of a bucket's function on a side stream before its capture, as the PyTorch
@@ -57,45 +59,34 @@ INPUT_ROWS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")
 PAD_VALUES = (0, 0, 0, 0, 1)
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes that get a graph: 1, 2, 4, 8, then every 8 to 64, every 16 to 256,
-    every 32 beyond (SGLang's spacing), always ending at ``max_batch``."""
-    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 257, 16), *range(288, max_batch + 1, 32)]
-    return sorted({s for s in sizes if s < max_batch} | {max_batch})
-
-
-def context_buckets(max_context: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
-    """Context lengths the decode attention is padded to: powers of two from ``smallest``,
-    the last one cut to ``max_context`` (the request table's width)."""
-    buckets = []
-    size = smallest
-    while size < max_context:
-        buckets.append(size)
-        size *= 2
-    return [*buckets, max_context]
-
-
-def bucket_for(value: int, buckets: list[int]) -> int | None:
-    """The smallest bucket >= ``value``; None when ``value`` is past the largest."""
-    i = bisect.bisect_left(buckets, value)
-    return buckets[i] if i < len(buckets) else None
-
-
-def graph_blockers(model: torch.nn.Module) -> list[str]:
-    """Why a decode step of ``model`` cannot be captured (empty: it can).
+def graph_blockers(model: torch.nn.Module, max_batch: int = 1) -> list[str]:
+    """Why a decode step of ``model`` (up to ``max_batch`` rows) cannot be captured
+    (empty: it can).
 
     Captured work must not read tensor values on the host nor take shapes from per-step
-    Python values; windowed attention loops over sequences with their own lengths, and
-    MoE routing reads the chosen experts back to the host.
+    Python values; windowed PyTorch attention loops over sequences with their own
+    lengths, and MoE routing past DEVICE_ROUTING_MAX_TOKENS reads the chosen experts back
+    to the host.
     """
     reasons: set[str] = set()
     for module in model.modules():
         backend = getattr(module, "attn_backend", None)
         if backend is not None and not getattr(backend, "graph_safe_decode", False):
             reasons.add(f"attention backend {backend.name!r} sizes its work per sequence")
-        if isinstance(module, SparseMoE):
-            reasons.add("mixture-of-experts routing reads the chosen experts on the host")
+        if isinstance(module, SparseMoE) and max_batch > DEVICE_ROUTING_MAX_TOKENS:
+            reasons.add(
+                f"mixture-of-experts routing reads the chosen experts on the host past "
+                f"{DEVICE_ROUTING_MAX_TOKENS} tokens (--cuda-graph-max-bs to stay under it)"
+            )
     return sorted(reasons)
+
+
+def decode_in_place(model: torch.nn.Module) -> bool:
+    """Whether every attention layer of ``model`` decodes from the pool in place: its
+    graphs then need no context shape."""
+    backends = [getattr(m, "attn_backend", None) for m in model.modules()]
+    found = [b for b in backends if b is not None]
+    return bool(found) and all(getattr(b, "decode_reads_pool_in_place", False) for b in found)
 
 
 class _Replayable(Protocol):
@@ -130,6 +121,7 @@ class DecodeGraphRunner:
         api: platform.GraphApi | None = None,
         min_context_bucket: int = MIN_CONTEXT_BUCKET,
         max_graphs: int = MAX_GRAPHS,
+        spec: platform.DeviceSpec | None = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -137,14 +129,22 @@ class DecodeGraphRunner:
         self.device = device
         self.api = api
         self.batch_buckets = batch_buckets(max_batch)
-        self.context_buckets = context_buckets(req_table.max_context, min_context_bucket)
+        # In place: one "context bucket", the table's width; the graph never reads it.
+        self.in_place = decode_in_place(model)
+        self.context_buckets = (
+            [req_table.max_context]
+            if self.in_place
+            else context_buckets(req_table.max_context, min_context_bucket)
+        )
+        # Set once every bucket was captured at start-up: no capture while serving.
+        self.captured_at_start = False
         self.max_graphs = max_graphs
         self.graphs: dict[tuple[int, int], _Replayable] = {}
         self.replays: Counter[tuple[int, int]] = Counter()  # per (batch, context) bucket
         self._warned_full = False
         # Set when a capture failed: every later decode step runs eagerly.
         self.failure: BaseException | None = None
-        self._spec = platform.parse_device(device)
+        self._spec = spec or platform.parse_device(device)
         self._pool = api.pool_handle() if api is not None else None
         # Static buffers, allocated outside any capture so no graph's pool holds them.
         self._inputs = torch.zeros(len(INPUT_ROWS) * max_batch, dtype=torch.int64, device=device)
@@ -181,7 +181,9 @@ class DecodeGraphRunner:
         key = self.bucket_of(seq_lens)
         if key is None or self.failure is not None:
             return False
-        if key in self.graphs or len(self.graphs) < self.max_graphs:
+        if key in self.graphs:
+            return True
+        if not self.captured_at_start and len(self.graphs) < self.max_graphs:
             return True
         if not self._warned_full:
             self._warned_full = True
@@ -262,11 +264,13 @@ class DecodeGraphRunner:
         columns = self._columns[:context]  # [context]
         table = self.req_table.table  # [max_rows, max_context] int32
         logits = self._logits[:batch]  # [batch, vocab]
+        in_place = self.in_place
 
         def forward() -> None:
-            valid = columns[None, :] < seq_lens[:, None]  # [batch, context]
-            # Columns past a row's length may hold stale slots: read dummy slot 0 there.
-            slots = table[req_rows, :context].long().masked_fill(~valid, 0)  # [batch, context]
+            if not in_place:
+                valid = columns[None, :] < seq_lens[:, None]  # [batch, context]
+                # Columns past a row's length may hold stale slots: read dummy slot 0.
+                slots = table[req_rows, :context].long().masked_fill(~valid, 0)
             meta = AttentionMetadata(
                 is_decode=True,
                 out_slots=out_slots,
@@ -280,8 +284,9 @@ class DecodeGraphRunner:
                 seq_lens_list=[context] * batch,
                 max_seq_len=context,
             )
-            meta.cache["decode_slots"] = slots.reshape(-1)  # [batch * context]
-            meta.cache["decode_mask"] = valid[:, None, None, :]  # [batch, 1, 1, context]
+            if not in_place:  # the gather fallback reads this layout
+                meta.cache["decode_slots"] = slots.reshape(-1)  # [batch * context]
+                meta.cache["decode_mask"] = valid[:, None, None, :]  # [batch, 1, 1, context]
             hidden = self.model(input_ids, positions, meta, self.kv_pool)  # [batch, hidden]
             logits.copy_(self.model.compute_logits(hidden))  # [batch, vocab] float32
 
@@ -320,10 +325,7 @@ class DecodeGraphRunner:
             for _ in range(WARMUP_RUNS):
                 forward()
         main.wait_stream(side)
-        graph = api.graph_cls()
-        with api.capture(graph, **self._capture_options(api)):
-            forward()
-        return graph  # type: ignore[no-any-return]
+        return graph_startup.capture_safely(api, self._spec, forward, self._capture_options(api))
 
     def _capture_options(self, api: platform.GraphApi) -> dict[str, Any]:
         options: dict[str, Any] = {"pool": self._pool}
@@ -363,19 +365,29 @@ def build_decode_graphs(
             config.tensor_parallel_size,
         )
         return None
-    blockers = graph_blockers(model)
+    max_batch = min(
+        config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests
+    )
+    blockers = graph_blockers(model, max_batch)
     if blockers:
         logger.warning(
             "device graphs: off for this model (%s); decode runs eagerly", "; ".join(blockers)
         )
         return None
-    max_batch = min(
-        config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests
+    runner = DecodeGraphRunner(
+        model, kv.device_pool, kv.req_table, device, max_batch, api=api, spec=spec
     )
-    runner = DecodeGraphRunner(model, kv.device_pool, kv.req_table, device, max_batch, api=api)
+    if runner.in_place:
+        failure = graph_startup.capture_at_start(runner)
+        if failure is not None:
+            logger.warning("device graphs: off, decode runs eagerly: %s", failure)
+            runner.graphs.clear()
+            return None
+        runner.captured_at_start = True
+        return runner
     logger.info(
         "device graphs: on for decode batches up to %d (buckets %s) and contexts up to %d "
-        "(buckets %s); captured lazily, at most %d",
+        "(buckets %s); the gather fallback captures lazily, at most %d",
         runner.max_batch,
         runner.batch_buckets,
         runner.context_buckets[-1],

@@ -3,8 +3,9 @@ bytes pinned equal to the bytes asked for where the backend has a host-register 
 
 ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator (CUDA's and
 torch_musa's), which rounds every block up to a power of two: 47 GB asked pins 64 GiB.
-So on CUDA (and on torch_musa builds with ``musaHostRegister``) the tier is pageable
-memory registered with the backend (``host_register``): exactly the bytes asked for.
+So on CUDA (and on torch_musa >= 2.1.1, whose ``musart()`` has ``musaHostRegister``) the
+tier is pageable memory registered with the backend (``host_register``): exactly the bytes
+asked for.
 Backends without such a call pin through ``pin_memory``, and the memory check counts the
 rounded size, which is what they really pin.
 """
@@ -33,6 +34,9 @@ from engine.platform import (
 logger = logging.getLogger(__name__)
 
 HOST_ALLOC_METHODS = ("pin_memory", "host_register", "pageable")
+# The first torch_musa whose musart() binds musaHostRegister / musaHostUnregister (its
+# csrc/core/musart.cpp); detection is by attribute, this is only for messages.
+MUSA_HOST_REGISTER_SINCE = "2.1.1"
 # NOTE: keyed by the bare device type, never the raw string: "musa:0" and "MUSA:1" both
 # use the "musa" entry. Types missing here get pageable memory and a warning. cuda and
 # musa get host_register instead where the backend has the call (see _register_api).
@@ -68,7 +72,7 @@ class _RegisterApi:
 
 def _register_api(kind: str) -> _RegisterApi | None:
     """cudaHostRegister on CUDA (not ROCm), musaHostRegister on torch_musa builds that
-    expose it (>= 2.5); None elsewhere."""
+    expose it (>= 2.1.1); None elsewhere."""
     if kind == "cuda" and not is_rocm():
         cudart = getattr(backend_module("cuda"), "cudart", None)
         runtime = cudart() if callable(cudart) else None
@@ -103,7 +107,7 @@ def host_alloc_method(device: str | torch.device | DeviceSpec, requested: str = 
         backend = "ROCm" if kind == "hip" else kind
         raise ValueError(
             f"--hicache-host-alloc host_register needs cudaHostRegister (CUDA) or "
-            f"musaHostRegister (torch_musa >= 2.5), but the device is {str(device)!r} "
+            f"musaHostRegister (torch_musa >= {MUSA_HOST_REGISTER_SINCE}), but the device is {str(device)!r} "
             f"({backend}); use --hicache-host-alloc auto or pageable"
         )
     default = _HOST_ALLOC_BY_TYPE.get(kind)
@@ -134,7 +138,8 @@ def host_alloc_method(device: str | torch.device | DeviceSpec, requested: str = 
         backend = "ROCm" if is_rocm() else kind
         raise ValueError(
             f"--hicache-host-alloc host_register: this {backend} build has no host-register "
-            "call (ROCm maps registered memory elsewhere; torch_musa needs >= 2.5); use "
+            "call (ROCm maps registered memory elsewhere; torch_musa needs >= "
+            f"{MUSA_HOST_REGISTER_SINCE}); use "
             "--hicache-host-alloc auto or pageable"
         )
     if requested == "pin_memory":
@@ -156,42 +161,58 @@ def _tensor_is_pinned(tensor: torch.Tensor) -> bool:
         return False
 
 
-_cudart_lib: Any = None
+# Where the dynamic loader lists the libraries this process has mapped.
+MAPS_PATH = "/proc/self/maps"
+_runtime_libs: dict[str, Any] = {}
 
 
-def _loaded_cudart() -> Any:
-    """The libcudart this process already loaded (torch's), via ctypes; None if not found."""
-    global _cudart_lib
-    if _cudart_lib is None:
+def _loaded_runtime(prefix: str) -> Any:
+    """The ``lib<prefix>rt.so*`` this process already loaded (torch's libcudart,
+    torch_musa's libmusart), opened with ctypes; None if it is not mapped."""
+    if prefix not in _runtime_libs:
         try:
-            with open("/proc/self/maps") as maps:
-                paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
-            if paths:
-                _cudart_lib = ctypes.CDLL(paths[0])
+            with open(MAPS_PATH) as maps:
+                paths = sorted(
+                    {line.split()[-1] for line in maps if f"lib{prefix}rt.so" in line.split()[-1]}
+                )
         except OSError:
-            pass
-    return _cudart_lib
+            return None
+        if not paths:
+            return None
+        try:
+            _runtime_libs[prefix] = ctypes.CDLL(paths[0])
+        except OSError:
+            return None
+    return _runtime_libs[prefix]
 
 
 def clear_last_error(api: _RegisterApi) -> None:
     """Reset the runtime's per-thread last error after a failed call: left set, it would
-    surface as a false error in the next, unrelated kernel launch check."""
+    surface as a false error in the next, unrelated kernel launch check.
+
+    NOTE: torch_musa's ``musart()`` binds musaHostRegister/-Unregister but no
+    musaGetLastError (nor does every torch's ``cudart()`` bind cudaGetLastError), so the
+    getter is called in the runtime library the process already loaded, through ctypes.
+    """
     getter = getattr(api.runtime, api.get_last_error, None)
     if getter is not None:
         getter()
         return
-    if api.get_last_error.startswith("cuda"):
-        lib = _loaded_cudart()
-        if lib is not None:
-            lib.cudaGetLastError()
-            return
+    prefix = api.get_last_error.removesuffix("GetLastError")
+    lib = _loaded_runtime(prefix)
+    if lib is not None and hasattr(lib, api.get_last_error):
+        getattr(lib, api.get_last_error)()
+        return
+    if prefix == "cuda":
         # A kernel launch check reads the pending error, and reading clears it.
         with contextlib.suppress(RuntimeError):
             torch.ones(1, device="cuda")
         return
     logger.warning(
-        "could not clear the %s error left by a failed host register; a later kernel may report it",
-        api.get_last_error[:4],
+        "could not clear the %s error left by a failed host register (no lib%srt.so "
+        "loaded); a later kernel may report it",
+        prefix,
+        prefix,
     )
 
 
@@ -237,7 +258,10 @@ def _pageable(size: tuple[int, ...], dtype: torch.dtype) -> HostAllocation:
 def _register(kind: str, size: tuple[int, ...], dtype: torch.dtype) -> HostAllocation:
     api = _register_api(kind)
     if api is None:
-        raise ValueError(f"host_register needs CUDA or torch_musa >= 2.5; device type is {kind!r}")
+        raise ValueError(
+            f"host_register needs CUDA or torch_musa >= {MUSA_HOST_REGISTER_SINCE}; "
+            f"device type is {kind!r}"
+        )
     tensor = torch.empty(size, dtype=dtype)
     nbytes = tensor.numel() * tensor.element_size()
     ptr = tensor.data_ptr()

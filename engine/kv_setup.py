@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine import host_memory, platform
+from engine import platform
 from engine.config import EngineConfig
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.manager import KVCacheManager
 from engine.kvcache.radix_cache import RadixCache
-from engine.kvcache.req_table import ReqTable
-
-logger = logging.getLogger("hiserve.engine")
-
-# Without --kv-cache-tokens a CPU host gets at most this many tokens: host RAM is shared
-# with everything else, and zero-filling a huge pool makes start-up slow.
-CPU_DEFAULT_MAX_KV_TOKENS = 65536
+from engine.kvcache.req_table import ReqTable, TableJournal
+from engine.kvcache.sizing import kv_pool_tokens, kv_shape
+from engine.kvcache.transfer import KVTransfer, TransferFactory
 
 
 @dataclass
@@ -38,20 +33,7 @@ class KVSetup:
         return self.manager.tree.clear()
 
     def host_stats(self) -> dict[str, float]:
-        tree = self.manager.tree
-        stats = getattr(tree, "host_stats", None)
-        if stats is not None:
-            return dict(stats())
-        return {
-            "host_total": 0,
-            "host_free": 0,
-            "host_cached": 0,
-            "evicted_host_tokens_total": 0,
-            "backup_tokens_total": 0,
-            "backup_bytes_total": 0,
-            "loadback_tokens_total": 0,
-            "loadback_bytes_total": 0,
-        }
+        return self.manager.tree.host_stats()
 
     def host_health(self) -> dict[str, object]:
         if self.host_pool is None:
@@ -62,7 +44,7 @@ class KVSetup:
                 "pinned": False,
                 "storage_backend": None,
             }
-        storage = getattr(self.manager.tree, "storage", None)
+        storage = self.manager.tree.storage
         return {
             "hicache": True,
             "host_total_tokens": self.host_pool.capacity,
@@ -77,29 +59,10 @@ class KVSetup:
         streams finished, the device idle (the loop thread must have stopped)."""
         if self.host_pool is None:
             return
-        close_tree = getattr(self.manager.tree, "close", None)
-        if close_tree is not None:
-            close_tree()
+        self.manager.tree.close()
         if self.spec is not None:
             platform.synchronize(self.spec)
         self.host_pool.close()
-
-
-def kv_pool_tokens(config: EngineConfig, spec: platform.DeviceSpec, bytes_per_token: int) -> int:
-    """Device pool size in tokens: --kv-cache-tokens, or a fraction of free memory."""
-    if config.kv_cache_tokens is not None:
-        return config.kv_cache_tokens
-    info = platform.mem_get_info(spec)
-    free = info[0] if info is not None else host_memory.available_host_memory()
-    tokens = int(free * config.kv_mem_fraction) // bytes_per_token
-    if spec.type == "cpu":
-        tokens = min(tokens, CPU_DEFAULT_MAX_KV_TOKENS)
-    if tokens < 2 * config.page_size:
-        raise RuntimeError(
-            f"only {free / 2**30:.2f} GiB free for the KV pool; lower the model size or set "
-            "--kv-cache-tokens explicitly"
-        )
-    return tokens
 
 
 def build_kv(
@@ -110,23 +73,28 @@ def build_kv(
     dtype: torch.dtype,
     max_model_len: int,
     model_path: Path | None = None,
+    table_journal: TableJournal | None = None,
+    make_transfer: TransferFactory = KVTransfer,
 ) -> KVSetup:
-    num_layers = int(hf_config.num_hidden_layers)
-    num_heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
-    per_token = DeviceKVPool.token_bytes(num_layers, kv_heads, head_dim, dtype)
+    """The KV side of one engine. Tensor parallel (rank 0) passes ``table_journal`` and
+    ``make_transfer`` so that the other ranks can mirror every table write and copy."""
+    shape = kv_shape(hf_config)
+    per_token = DeviceKVPool.token_bytes(*shape, dtype)
     tokens = kv_pool_tokens(config, spec, per_token)
     page = config.page_size
     allocator = PageAllocator(tokens // page, page)
-    device_pool = DeviceKVPool(num_layers, allocator.num_slots, kv_heads, head_dim, dtype, device)
-    req_table = ReqTable(config.max_running_requests, max_model_len, device)
+    device_pool = DeviceKVPool(
+        shape.num_layers, allocator.num_slots, shape.kv_heads, shape.head_dim, dtype, device
+    )
+    req_table = ReqTable(config.max_running_requests, max_model_len, device, table_journal)
     host_pool = None
     tree: RadixCache
     if config.enable_hierarchical_cache and config.enable_prefix_cache:
-        from engine.kvcache.hicache_setup import build_hicache
+        from engine.kvcache.hicache_setup import build_hicache  # L3 stores load on demand
 
-        tree, host_pool = build_hicache(config, allocator, device_pool, spec, model_path)
+        tree, host_pool = build_hicache(
+            config, allocator, device_pool, spec, model_path, make_transfer
+        )
     else:
         tree = RadixCache(allocator, enabled=config.enable_prefix_cache)
     manager = KVCacheManager(allocator, req_table, tree)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers import triton_ops
 from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
 from engine.layers.gemv_cpu import use_cpu_gemv
@@ -365,6 +366,8 @@ def load_model(
         model.pack_for_cpu()
     # Fused RMSNorm + residual and RoPE kernels on float32 CPU models (HISERVE_CPU_FUSED=0: off).
     use_fused_cpu_kernels(model)
+    # Their Triton counterparts on GPUs with a Triton backend (HISERVE_TRITON_FUSED=0: off).
+    triton_ops.use_fused_ops(model, device)
     return model.eval()
 
 

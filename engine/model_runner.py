@@ -14,6 +14,7 @@ from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
+from engine.prompt_scoring import score_prompts
 from engine.request import Req
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledBatch
@@ -49,6 +50,9 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         eos_token_ids: Collection[int],
+        masker: TokenMasker | None = None,
+        graphs: DecodeGraphRunner | None = None,
+        on_step: Callable[[StepInputs | None], None] | None = None,
     ) -> None:
         self.model: Any = model  # LlamaForCausalLM-like: forward + compute_logits
         self.kv_pool = kv_pool
@@ -56,11 +60,11 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.masker: TokenMasker | None = None  # the engine's, for constrained requests
+        self.masker = masker  # the engine's, for constrained requests
         # Tensor parallel (rank 0): hands each step's inputs to the other ranks.
-        self.on_step: Callable[[StepInputs], None] | None = None
+        self.on_step = on_step
         # Device graphs for pure decode steps (engine/graph_runner.py); None: all eager.
-        self.graphs: DecodeGraphRunner | None = None
+        self.graphs = graphs
 
     def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
         """Every int64 input of one step in one buffer, one host -> device copy.
@@ -170,6 +174,8 @@ class ModelRunner:
         if logits is not None:
             return self.sampler(logits, sampling, self.eos_token_ids, mask)
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
+        if not inputs.is_decode:
+            score_prompts(hidden, batch, self.model.compute_logits, self.sampler.vocab_size)
         if not sampling:
             return None
         if len(sampling) != hidden.shape[0]:

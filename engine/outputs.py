@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from engine.detokenizer import StopChecker
-from engine.request import FinishReason, Req, RequestOutput
+from engine.request import FinishReason, Req, RequestOutput, TokenLogprob
 
 
 def stop_checker_of(req: Req) -> StopChecker:
@@ -39,6 +39,11 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
     req.sent_tokens = len(req.output_ids)
     req.sent_logprobs = len(req.logprobs)
     reason = req.finish_reason.value if finished and req.finish_reason is not None else None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    if req.params.prompt_logprobs is not None and (finished or not req.sent_prompt_logprobs):
+        # Once per stream (its first output) plus the final output; None for token 0.
+        prompt_logprobs = [None, *req.prompt_logprobs]
+        req.sent_prompt_logprobs = True
     return RequestOutput(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_ids,
@@ -54,6 +59,7 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
         cached_tokens_storage=req.cached_storage,
         logprobs=list(req.logprobs) if want_logprobs and finished else None,
         new_logprobs=new_logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop_reason=req.stop_reason,
         first_token_time=req.first_token_time,
         arrival_time=req.arrival_time,

@@ -39,8 +39,14 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives per generated token; 0: chosen only
+    # Prompt scoring: the logprob of every prompt token given its prefix, with top-N
+    # alternatives (0: the prompt token only). None: the prompt is not scored.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: the text must match it
+    # The API request this engine request is one copy of (n > 1, or several prompts): the
+    # scheduler takes turns between groups instead of admitting a whole group first.
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,11 +64,17 @@ class SamplingParams:
         max_stop_strings: int = 16,
         max_stop_token_ids: int = 256,
         max_logprobs: int = 20,
+        max_stop_chars: int = 512,
     ) -> None:
         """Raise ValueError naming the offending field; every check is cheap (the lengths
         are bounded before anything walks a list)."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        # max_tokens 0 only scores the prompt: it needs prompt_logprobs to mean anything.
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise ValueError(
+                f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}"
+                + ("" if least == 0 else " (0 only when the prompt is scored)")
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -83,6 +95,12 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > max_stop_chars:
+            raise ValueError(
+                f"stop strings may be at most {max_stop_chars} characters long "
+                f"(--max-stop-chars); one has {longest}"
+            )
         if len(self.stop_token_ids) > max_stop_token_ids:
             raise ValueError(
                 f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
@@ -101,6 +119,11 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {self.logprobs}"
             )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {max_logprobs}] (--max-logprobs), "
+                f"got {self.prompt_logprobs}"
+            )
 
 
 @dataclass
@@ -110,6 +133,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # token id -> logprob
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt tokens only)
 
 
 @dataclass
@@ -131,6 +155,9 @@ class RequestOutput:
     cached_tokens_storage: int = 0  # read from the L3 store, then loaded back
     logprobs: list[TokenLogprob] | None = None  # final output: all of them, when requested
     new_logprobs: list[TokenLogprob] | None = None
+    # A scored prompt: None for its first token, then one entry per prompt token. On the
+    # first output after the prompt was scored and on the final one; None on the others.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: int | str | None = None  # matched stop string or stop token id
     first_token_time: float | None = None
     arrival_time: float = 0.0
@@ -183,6 +210,9 @@ class Req:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Scored prompt tokens 1.. so far (entry i: prompt token i + 1, from position i).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
     detok: IncrementalDetokenizer | None = None
     text: str = ""
     sent_tokens: int = 0  # output tokens already reported
@@ -204,6 +234,15 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status == ReqStatus.FINISHED
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt positions still need logits: such a request computes its whole
+        prompt (the prefix cache keeps KV, not the logits scoring needs)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        )
 
     @property
     def remaining_tokens(self) -> int:

@@ -22,9 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
 from server.args import ServerArgs
+from server.cache_report import CacheReport
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
 from server.errors import APIError, error_response, install_error_handlers, new_error_id
 from server.fleet_info import add_fleet_routes
+from server.log_limits import install_repeat_limits
 from server.log_safety import exposure_warning, install_redaction
 from server.metrics import ServerMetrics
 from server.middleware import GuardMiddleware, bearer_matches
@@ -109,7 +111,9 @@ def create_app(
                 engine,
                 args.tool_call_parser,
                 max_choices=args.max_choices,
+                max_choice_prompt_tokens=args.max_choice_prompt_tokens,
                 trust_special_tokens=args.trust_message_special_tokens,
+                cache_report=CacheReport(args.cached_tokens_scope),
             )
             print(summary_line(args, engine.health()), flush=True)
             watch = getattr(engine, "watch_fatal", None)
@@ -168,6 +172,7 @@ def create_app(
     app.state.hiserve = state
     install_error_handlers(app)
     install_redaction()
+    install_repeat_limits()
     warning = exposure_warning(args.host, args.api_key)
     if warning is not None:
         logger.warning(warning)
@@ -176,6 +181,9 @@ def create_app(
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         allowed_hosts=args.allowed_hosts,
+        admin_key=args.admin_key,
+        metrics_public=args.metrics_public,
+        body_timeout=args.body_timeout,
     )
     _add_routes(app, state)
     add_fleet_routes(app, state)
@@ -188,7 +196,7 @@ def _disconnected() -> Response:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    api_key = state.args.api_key.encode("utf-8") if state.args.api_key else None
+    keys = tuple(k.encode("utf-8") for k in (state.args.api_key, state.args.admin_key) if k)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -205,8 +213,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         # A probe needs only the status; the details (model path, device, pools) are for
         # callers holding the key (all callers when the server has none).
         authorization = request.headers.get("authorization")
-        if api_key is not None and not bearer_matches(
-            authorization.encode("latin-1") if authorization else None, api_key
+        if keys and not bearer_matches(
+            authorization.encode("latin-1") if authorization else None, *keys
         ):
             return JSONResponse({"status": "ok"})
         info = await asyncio.to_thread(state.engine.health)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, NoReturn
 
-from engine.config import EngineConfig
+from engine.config import L3_DEFAULT_PAGE_SIZE, EngineConfig
 from server.flags import (
     ENV_PREFIX,
     FALSE_WORDS,
@@ -36,14 +36,26 @@ class ServerArgs:
     port: int = 8000
     fd: int | None = None
     api_key: str | None = None
+    admin_key: str | None = None
+    metrics_public: bool = False
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 4096
+    max_connections_per_client: int = 256
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    send_timeout: float = 15.0
+    send_buffer_bytes: int = 64 * 1024
     shutdown_grace: float = 30.0
     max_choices: int = 256
+    max_choice_prompt_tokens: int = 131072
     allowed_hosts: tuple[str, ...] = ()  # empty: any Host header
     enable_docs: bool = False
     trust_message_special_tokens: bool = False
     tool_call_parser: str = "auto"
+    # Settings the server chose for the operator, one sentence each, for the start-up log.
+    notes: tuple[str, ...] = ()
+    cached_tokens_scope: str = "all"  # what cached_tokens reports (server/cache_report.py)
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -54,16 +66,29 @@ class ServerArgs:
             fd=self.fd,
             log_level=self.log_level,
             api_key="set" if self.api_key else "none",
+            admin_key="set" if self.admin_key else "none",
+            metrics_public=self.metrics_public,
             max_body_bytes=self.max_body_bytes,
+            max_connections=self.max_connections,
+            max_connections_per_client=self.max_connections_per_client,
+            header_timeout=self.header_timeout,
+            body_timeout=self.body_timeout,
+            send_timeout=self.send_timeout,
+            send_buffer_bytes=self.send_buffer_bytes,
             shutdown_grace=self.shutdown_grace,
             max_choices=self.max_choices,
+            max_choice_prompt_tokens=self.max_choice_prompt_tokens,
             allowed_hosts=",".join(self.allowed_hosts) or "any",
             enable_docs=self.enable_docs,
             trust_message_special_tokens=self.trust_message_special_tokens,
             tool_call_parser=self.tool_call_parser,
+            cached_tokens_scope=self.cached_tokens_scope,
         )
         return out
 
+
+# --allowed-hosts of a server without any key: the names of this machine's loopback.
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 _FIELDS = {f.name: f for f in fields(EngineConfig)}
 
@@ -157,6 +182,7 @@ def parse_args(
     parser = build_parser()
     namespace = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     values: dict[str, Any] = {}
+    given: set[str] = set()
     for spec in FLAG_TABLE:
         kind, optional, default = _resolve(spec)
         value = getattr(namespace, spec.dest)
@@ -173,7 +199,10 @@ def parse_args(
                     f"{', '.join(spec.choices)}",
                 )
         values[spec.dest] = default if value is None else value
+        if value is not None:
+            given.add(spec.dest)
 
+    notes = _derive_l3_page_size(values, given)
     engine_kwargs: dict[str, Any] = {}
     for spec in FLAG_TABLE:
         if spec.field is not None:
@@ -193,21 +222,66 @@ def parse_args(
         _fail(parser, f"--shutdown-grace must be >= 0, got {values['shutdown_grace']}")
     if values["max_choices"] < 1:
         _fail(parser, f"--max-choices must be >= 1, got {values['max_choices']}")
+    for name in (
+        "max_choice_prompt_tokens",
+        "max_connections",
+        "header_timeout",
+        "body_timeout",
+        "send_timeout",
+    ):
+        if values[name] <= 0:
+            _fail(parser, f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
+    for name in ("max_connections_per_client", "send_buffer_bytes"):
+        if values[name] < 0:
+            _fail(parser, f"--{name.replace('_', '-')} must be >= 0 (0: off), got {values[name]}")
+    api_key = values["api_key"] or None
+    admin_key = values["admin_key"] or None
+    if api_key is not None and api_key == admin_key:
+        _fail(parser, "--admin-key must differ from --api-key (clients must not hold it)")
+    hosts = parse_hosts(values["allowed_hosts"])
+    if not hosts and api_key is None and admin_key is None:
+        # NOTE: a keyless server answers any page a browser loads; a DNS-rebinding page
+        # reaches it under its own host name. Loopback names only, unless asked.
+        hosts = LOCAL_HOSTS
     return ServerArgs(
         engine=engine,
         host=values["host"],
         port=values["port"],
         fd=values["fd"],
-        api_key=values["api_key"] or None,
+        api_key=api_key,
+        admin_key=admin_key,
+        metrics_public=bool(values["metrics_public"]),
         log_level=values["log_level"],
         max_body_bytes=values["max_body_bytes"],
+        max_connections=values["max_connections"],
+        max_connections_per_client=values["max_connections_per_client"],
+        header_timeout=values["header_timeout"],
+        body_timeout=values["body_timeout"],
+        send_timeout=values["send_timeout"],
+        send_buffer_bytes=values["send_buffer_bytes"],
         shutdown_grace=values["shutdown_grace"],
         max_choices=values["max_choices"],
-        allowed_hosts=parse_hosts(values["allowed_hosts"]),
+        max_choice_prompt_tokens=values["max_choice_prompt_tokens"],
+        allowed_hosts=hosts,
         enable_docs=bool(values["enable_docs"]),
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),
         tool_call_parser=values["tool_call_parser"],
+        notes=tuple(notes),
+        cached_tokens_scope=values["cached_tokens_scope"],
     )
+
+
+def _derive_l3_page_size(values: dict[str, Any], given: set[str]) -> list[str]:
+    """An L3 backend with no page size given gets one that suits L3 (the store keeps one
+    object per page); a page size the operator gave is kept, and checked as given."""
+    backend = values.get("hicache_storage_backend")
+    if backend in (None, "none") or "page_size" in given:
+        return []
+    values["page_size"] = L3_DEFAULT_PAGE_SIZE
+    return [
+        f"page size {L3_DEFAULT_PAGE_SIZE} tokens: the L3 storage backend {backend!r} keeps "
+        "one object per KV page and no --page-size was given (set it to choose another)"
+    ]
 
 
 def parse_hosts(text: str | None) -> tuple[str, ...]:

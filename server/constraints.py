@@ -6,16 +6,21 @@ its field, raised before anything reaches the engine.
 
 from __future__ import annotations
 
+import asyncio
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.grammar_spec import GrammarError, GrammarSpec, check_spec
+from engine.grammar_spec import GrammarError, GrammarSpec, check_spec, check_spec_static
 from server.errors import APIError
 from server.protocol import _SamplingRequest
 
 SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # vLLM's structured_outputs: exactly one of these keys carries the constraint.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# The grammar engine's parse check runs here, off the event loop: a schema that takes
+# seconds to parse must not stop the server answering /health and other requests.
+_CHECK_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hiserve-grammar-check")
 
 
 def response_format_spec(fmt: Any) -> GrammarSpec | None:
@@ -133,17 +138,35 @@ def request_constraint(req: _SamplingRequest) -> GrammarSpec | None:
         )
     if not found:
         return None
-    checked(found[0])
-    return found[0]
+    return statically_checked(found[0])
+
+
+def statically_checked(spec: GrammarSpec) -> GrammarSpec:
+    """``spec`` after the checks that need no parse (sizes, nesting, keywords), as a 400
+    naming its field if one fails; cheap enough for the event loop."""
+    try:
+        check_spec_static(spec)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    return spec
 
 
 def checked(spec: GrammarSpec) -> GrammarSpec:
-    """``spec`` after the engine's checks, as a 400 naming its field if it fails."""
+    """``spec`` after all the engine's checks, as a 400 naming its field if it fails.
+    Blocking (the grammar engine parses it): see ``parse_checked``."""
     try:
         check_spec(spec)
     except GrammarError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     return spec
+
+
+async def parse_checked(spec: GrammarSpec | None) -> GrammarSpec | None:
+    """``checked`` in a worker thread, so the event loop keeps serving meanwhile."""
+    if spec is None:
+        return None
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_CHECK_POOL, checked, spec)
 
 
 def _spec(make: Any, value: Any, param: str) -> GrammarSpec:

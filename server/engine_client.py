@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError, StreamStalledError
 from engine.request import RequestOutput, SamplingParams
+from server.cache_report import CacheReport
 from server.chat_tokens import ChatPromptEncoder
 from server.errors import APIError, internal_error
 from server.tools.parsers import ToolCallParser, choose_parser
@@ -47,6 +48,7 @@ _KNOWN_PARAMS = {
     "stop_token_ids",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
     "prompt",
     "seed",
 }
@@ -99,11 +101,15 @@ class EngineClient:
         engine: Any,
         tool_call_parser: str = "auto",
         max_choices: int = 256,
+        max_choice_prompt_tokens: int = 131072,
         trust_special_tokens: bool = False,
+        cache_report: CacheReport | None = None,
     ) -> None:
         self.engine = engine
+        self.cache_report = cache_report or CacheReport("all")
         self.tokenizer = engine.tokenizer
         self.max_choices = max_choices
+        self.max_choice_prompt_tokens = max_choice_prompt_tokens
         self.chat_encoder = ChatPromptEncoder(self.tokenizer, trust_special_tokens)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hiserve-tok")
         # Texts past BULK_TEXT_CHARS are tokenized by a second worker with its own copy of
@@ -143,6 +149,14 @@ class EngineClient:
     @property
     def max_stop_token_ids(self) -> int:
         return int(getattr(self.engine.config, "max_stop_token_ids", 256))
+
+    @property
+    def max_grammar_choices(self) -> int:
+        return int(getattr(self.engine.config, "max_grammar_choices", 8))
+
+    @property
+    def max_logprob_entries(self) -> int:
+        return int(getattr(self.engine.config, "max_logprob_entries", 1 << 20))
 
     # ---------------------------------------------------------------- tokenizer
     async def _in_worker(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -16,6 +16,7 @@ from engine.config import (
     HICACHE_WRITE_POLICIES,
     SCHEDULE_POLICIES,
 )
+from server.cache_report import CACHED_TOKENS_SCOPES
 from server.tools.parsers import PARSER_NAMES
 
 ENV_PREFIX = "HISERVE_"
@@ -117,8 +118,20 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("hicache-storage-dir", "directory of the file L3 backend", "hicache_storage_dir"),
     FlagSpec(
         "hicache-storage-size",
-        "GB the file L3 backend may use (least recently used pages go first)",
+        "GB the file L3 backend's directory may hold, counting every replica's pages "
+        "(oldest pages go first; default 16)",
         "hicache_storage_size",
+    ),
+    FlagSpec(
+        "hicache-storage-secret-file",
+        "file holding the fleet secret that authenticates L3 pages (or set "
+        "HISERVE_HICACHE_STORAGE_SECRET); see docs/cache-security.md",
+        "hicache_storage_secret_file",
+    ),
+    FlagSpec(
+        "hicache-storage-encrypt",
+        "encrypt the file L3 backend's pages at rest (AES-GCM; extra l3-crypt)",
+        "hicache_storage_encrypt",
     ),
     FlagSpec(
         "hicache-storage-prefetch-policy",
@@ -163,11 +176,17 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec("max-model-len", "context length (prompt + output)", "max_model_len"),
     FlagSpec("max-stop-strings", "most stop strings per request", "max_stop_strings"),
+    FlagSpec("max-stop-chars", "longest stop string, in characters", "max_stop_chars"),
     FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),
     FlagSpec(
         "max-logprobs",
         "most logprobs / top_logprobs a request may ask for (vLLM's max_logprobs)",
         "max_logprobs",
+    ),
+    FlagSpec(
+        "max-logprob-entries",
+        "most logprob entries one request may return: choices x max_tokens x (1 + top_logprobs)",
+        "max_logprob_entries",
     ),
     FlagSpec(
         "max-queued-outputs",
@@ -184,6 +203,22 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "seconds a structured-output request may wait for its grammar to compile",
         "grammar_compile_timeout",
     ),
+    FlagSpec(
+        "grammar-step-budget-ms",
+        "milliseconds of grammar work (mask fill + accept) a constrained request may take "
+        "per token; past it the request ends with an error",
+        "grammar_step_budget_ms",
+    ),
+    FlagSpec(
+        "grammar-cache-mb",
+        "MB of compiled grammars kept for reuse (least recently used go first)",
+        "grammar_cache_mb",
+    ),
+    FlagSpec(
+        "max-grammar-choices",
+        "most choices (prompts x n) of a request with an output constraint",
+        "max_grammar_choices",
+    ),
     # server-only
     FlagSpec("host", "address to listen on", kind="str", default="127.0.0.1"),
     FlagSpec("port", "port to listen on", kind="int", default=8000),
@@ -196,9 +231,34 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "api-key",
-        "require 'Authorization: Bearer <key>' on /v1 and admin routes",
+        "the client key: require 'Authorization: Bearer <key>' on /v1 and /metrics (and on "
+        "the admin routes when --admin-key is unset); prefer the environment variable, which "
+        "`ps` does not show",
         kind="str",
         optional=True,
+    ),
+    FlagSpec(
+        "admin-key",
+        "the fleet's router/replica key: the only key that opens /flush_cache, /server_info, "
+        "/model_info and /v1/loads, and it opens every other route too; give the router "
+        "this key, and clients --api-key",
+        kind="str",
+        optional=True,
+    ),
+    FlagSpec(
+        "metrics-public",
+        "serve /metrics without a key (for a scraper that cannot send one)",
+        kind="bool",
+        default=False,
+    ),
+    FlagSpec(
+        "cached-tokens-scope",
+        "what usage.cached_tokens reports: all (every hit), key (only prefixes the same "
+        "bearer token sent before; others' cached prompts cannot be probed) or none (always "
+        "0); see docs/cache-security.md",
+        kind="str",
+        default="all",
+        choices=CACHED_TOKENS_SCOPES,
     ),
     FlagSpec("log-level", "logging level", kind="str", default="info", choices=LOG_LEVELS),
     FlagSpec(
@@ -206,6 +266,46 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "largest request body accepted (413 past it)",
         kind="int",
         default=8 * 1024 * 1024,
+    ),
+    FlagSpec(
+        "max-connections",
+        "open connections in all; past it a new one gets a 503 and is closed (keep it "
+        "below the descriptor limit, ulimit -n)",
+        kind="int",
+        default=4096,
+    ),
+    FlagSpec(
+        "max-connections-per-client",
+        "open connections from one client address (0: no cap); raise it on a replica "
+        "behind a router, whose connections all come from one address",
+        kind="int",
+        default=256,
+    ),
+    FlagSpec(
+        "header-timeout",
+        "seconds a connection may take to send complete request headers (slowloris guard)",
+        kind="float",
+        default=10.0,
+    ),
+    FlagSpec(
+        "body-timeout",
+        "seconds a request may take to send its whole body (408 past it)",
+        kind="float",
+        default=60.0,
+    ),
+    FlagSpec(
+        "send-timeout",
+        "seconds a response write may wait on a client that reads nothing before the "
+        "connection is aborted (its request ends and frees its running slot)",
+        kind="float",
+        default=15.0,
+    ),
+    FlagSpec(
+        "send-buffer-bytes",
+        "socket send buffer and write high-water mark per connection: how much a client "
+        "that reads nothing can absorb before --send-timeout starts (0: the system's)",
+        kind="int",
+        default=64 * 1024,
     ),
     FlagSpec(
         "shutdown-grace",
@@ -220,8 +320,16 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         default=256,
     ),
     FlagSpec(
+        "max-choice-prompt-tokens",
+        "most prompt tokens summed over a request's choices (prompt length x n, over "
+        "every prompt) when it has more than one; each copy's prefill reads its prompt",
+        kind="int",
+        default=131072,
+    ),
+    FlagSpec(
         "allowed-hosts",
-        "comma-separated Host header values accepted (DNS-rebinding guard); empty: any",
+        "comma-separated Host header values accepted (DNS-rebinding guard; '*': any); "
+        "unset: any when a key is set, else localhost, 127.0.0.1 and [::1] only",
         kind="str",
         optional=True,
     ),

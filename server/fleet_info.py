@@ -5,20 +5,18 @@ The SGLang Model Gateway (``smg``) polls ``GET /v1/loads`` for its load-aware po
 ``/server_info`` and ``/model_info`` when it registers a worker. These routes only read
 the numbers the engine loop already publishes; they never touch engine state.
 
-``/v1/loads`` sits under ``/v1`` and so behind the API key like every ``/v1`` route;
-``/server_info`` and ``/model_info`` name the model path and the device, so they ask for
-the key too (the router sends it on every probe when it is started with ``--api-key``).
+All three are admin routes (``server.middleware.ADMIN_PATHS``): with ``--admin-key`` set
+only that key opens them, else the client key does. ``/server_info`` and ``/model_info``
+name the model path and the device; the router sends its key on every probe (smg's
+``--api-key`` is the replicas' admin key).
 """
 
 from __future__ import annotations
 
-import hmac
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from fastapi import APIRouter, FastAPI, Request
-
-from server.errors import APIError
+from fastapi import APIRouter, FastAPI
 
 SERVER_VERSION = "0.1.0"
 
@@ -100,22 +98,6 @@ def model_info_body(state: FleetState) -> dict[str, Any]:
     }
 
 
-def _check_key(request: Request, api_key: str | None) -> None:
-    if not api_key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # Constant-time compare, as in the middleware that guards /v1.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode("utf-8"), api_key.encode("utf-8")
-    ):
-        raise APIError(
-            401,
-            "invalid or missing API key; send 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
 def add_fleet_routes(app: FastAPI, state: FleetState) -> None:
     """Add ``/v1/loads``, ``/server_info`` and ``/model_info`` to ``app``."""
     router = APIRouter()
@@ -128,14 +110,12 @@ def add_fleet_routes(app: FastAPI, state: FleetState) -> None:
         return loads_body(state.engine.stats())
 
     @router.get("/server_info")
-    async def server_info(request: Request) -> dict[str, Any]:
-        _check_key(request, state.args.api_key)
+    async def server_info() -> dict[str, Any]:
         state.require_client()
         return server_info_body(state)
 
     @router.get("/model_info")
-    async def model_info(request: Request) -> dict[str, Any]:
-        _check_key(request, state.args.api_key)
+    async def model_info() -> dict[str, Any]:
         state.require_client()
         return model_info_body(state)
 

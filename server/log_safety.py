@@ -12,7 +12,7 @@ logger = logging.getLogger("hiserve.server")
 # Query parameters whose values are credentials (matched case-insensitively, as a
 # substring: "api_key", "x-api-key", "access_token", "client_secret", ...).
 _SECRET_PARAM = re.compile(
-    r"(?i)([?&][^=&#\s]*(?:key|token|secret|password|passwd|auth|signature|sig)[^=&#\s]*=)"
+    r"(?i)([?&][^=&#\s]*(?:key|token|bearer|secret|password|passwd|auth|signature|sig)[^=&#\s]*=)"
     r"[^&#\s]*"
 )
 # user:password@ in a URL.

@@ -95,6 +95,21 @@ _PLAIN_COUNTERS = (
         "Tokens read L3 store -> host at admission.",
         "storage_prefetch_tokens_total",
     ),
+    (
+        "hicache_storage_pages_rejected_total",
+        "L3 pages that failed authentication (swapped, forged, cut short): misses.",
+        "storage_pages_rejected_total",
+    ),
+    (
+        "hicache_storage_pages_evicted_total",
+        "L3 pages this replica removed to keep the store under its size.",
+        "storage_pages_evicted_total",
+    ),
+    (
+        "hicache_storage_writes_refused_total",
+        "L3 pages not written because the store or its volume was full.",
+        "storage_writes_refused_total",
+    ),
 )
 
 
@@ -153,6 +168,11 @@ class EngineCollector(Collector):
                 "hicache_storage_writes_pending",
                 "L3 writes queued or in progress (0: every page handed over is stored).",
                 "storage_writes_pending",
+            ),
+            (
+                "hicache_storage_used_bytes",
+                "Bytes in the file L3 store's directory, every replica's pages (last measured).",
+                "storage_used_bytes",
             ),
         ):
             gauge = GaugeMetricFamily(PREFIX + name, doc)

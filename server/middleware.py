@@ -1,21 +1,43 @@
-"""ASGI middleware, before any parsing: Host allow-list, API key, body size, JSON type."""
+"""ASGI middleware, before any parsing: Host allow-list, API keys, body size, JSON type.
+
+Two credentials: the client key (``--api-key``) opens the serving routes under ``/v1``;
+the admin key (``--admin-key``, the fleet's router/replica credential) opens everything,
+and, when set, is the only key that opens the operator routes (``ADMIN_PATHS``). Without
+an admin key the client key opens those too (a single server, as before).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_response
 
-# Routes outside /v1 that need the key too.
-ADMIN_PATHS = frozenset({"/flush_cache"})
+# Operator and router routes: what a client must not call once the fleet has an admin key
+# (flush every replica's cache, read the model path and device, poll the loads).
+ADMIN_PATHS = frozenset({"/flush_cache", "/server_info", "/model_info", "/v1/loads"})
 # A rejected body larger than this is not drained: the connection is simply closed.
 MAX_DRAIN_BYTES = 64 * 1024 * 1024
 
 
 def needs_key(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS
+
+
+def allowed_keys(
+    path: str, api_key: bytes | None, admin_key: bytes | None, metrics_public: bool = False
+) -> tuple[bytes, ...]:
+    """The keys that open ``path``; empty: the route is open to anyone."""
+    if path in ADMIN_PATHS:
+        if admin_key is not None:
+            return (admin_key,)
+        return (api_key,) if api_key is not None else ()
+    client_route = needs_key(path) or (path == "/metrics" and not metrics_public)
+    if not client_route or api_key is None:
+        return ()
+    return (api_key, admin_key) if admin_key is not None else (api_key,)
 
 
 def _header(scope: Scope, wanted: bytes) -> bytes | None:
@@ -25,11 +47,15 @@ def _header(scope: Scope, wanted: bytes) -> bytes | None:
     return None
 
 
-def bearer_matches(authorization: bytes | None, api_key: bytes) -> bool:
-    """Whether an ``Authorization`` header carries ``api_key`` as a bearer token."""
+def bearer_matches(authorization: bytes | None, *keys: bytes) -> bool:
+    """Whether an ``Authorization`` header carries one of ``keys`` as a bearer token."""
     scheme, _, token = (authorization or b"").partition(b" ")
-    # Constant-time compare: the time taken does not leak how much of the key matched.
-    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key)
+    if scheme.lower() != b"bearer":
+        return False
+    # Constant-time compares, all of them: the time taken does not leak which key, or how
+    # much of one, matched.
+    matches = [hmac.compare_digest(token.strip(), key) for key in keys]
+    return any(matches)
 
 
 def host_name(host_header: str) -> str:
@@ -76,16 +102,23 @@ class GuardMiddleware:
         api_key: str | None,
         max_body_bytes: int,
         allowed_hosts: tuple[str, ...] = (),
+        admin_key: str | None = None,
+        metrics_public: bool = False,
+        body_timeout: float | None = None,
     ) -> None:
         self.app = app
+        self.body_timeout = body_timeout
         self.api_key = api_key.encode("utf-8") if api_key else None
+        self.admin_key = admin_key.encode("utf-8") if admin_key else None
+        self.metrics_public = metrics_public
         self.max_body_bytes = max_body_bytes
         self.allowed_hosts = allowed_hosts
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.api_key is None or not needs_key(scope.get("path", "")):
-            return True
-        return bearer_matches(_header(scope, b"authorization"), self.api_key)
+        keys = allowed_keys(
+            scope.get("path", ""), self.api_key, self.admin_key, self.metrics_public
+        )
+        return not keys or bearer_matches(_header(scope, b"authorization"), *keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -123,8 +156,25 @@ class GuardMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = None if self.body_timeout is None else loop.time() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(
+                    receive(), None if deadline is None else max(0.0, deadline - loop.time())
+                )
+            except asyncio.TimeoutError:
+                # NOTE: a body sent a byte at a time would hold the connection (and the
+                # buffer) as long as the sender likes.
+                response = error_response(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:.0f} s "
+                    "(--body-timeout)",
+                    code="body_timeout",
+                    headers={"Connection": "close"},
+                )
+                await response(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return  # client gone before the body arrived: nothing to answer
             body = message.get("body", b"")

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.grammar_spec import GrammarSpec
 from engine.request import RequestOutput, TokenLogprob
-from server.constraints import checked, request_constraint
+from server.constraints import parse_checked, request_constraint, statically_checked
 from server.engine_client import EngineClient
 from server.errors import APIError
 from server.metrics import RequestTimer, ServerMetrics
@@ -80,6 +80,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 def _check_chat_fields(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.prompt_logprobs is not None:
+        raise APIError(
+            400,
+            "prompt_logprobs is not supported on /v1/chat/completions; score prompts on "
+            "/v1/completions (prompt_logprobs, or echo with logprobs)",
+            param="prompt_logprobs",
+        )
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(
             400,
@@ -101,7 +108,7 @@ def chat_constraint(req: ChatCompletionRequest, tools: ToolPlan) -> GrammarSpec 
             f"combined with {grammar.param}",
             param=grammar.param,
         )
-    return checked(tool_grammar)
+    return statically_checked(tool_grammar)
 
 
 def chat_logprobs(client: EngineClient, entries: list[TokenLogprob]) -> ChatLogprobs:
@@ -132,7 +139,7 @@ async def serve_chat(
     check_request(req, client)
     _check_chat_fields(req)
     tools = tool_plan(req)
-    grammar = chat_constraint(req, tools)
+    grammar = await parse_checked(chat_constraint(req, tools))
     messages, tool_defs = with_tools(
         chat_messages(req), req, tools, client.tool_parser, client.template_knows_tools
     )
@@ -159,6 +166,7 @@ async def serve_chat(
         logprobs,
         "messages",
         grammar,
+        authorization=request.headers.get("authorization"),
     )
     gen = start_generation(client, plan)
     timers = make_timers(metrics, start, plan.num_choices)

@@ -107,6 +107,9 @@ class Plan:
     prompts: list[list[int]]  # distinct prompts
     n: int
     params: list[SamplingParams] = field(default_factory=list)  # one per choice
+    # Per prompt, the cached tokens its caller may be told about (None: all of them);
+    # see server/cache_report.py.
+    own_tokens: list[int] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -128,6 +131,8 @@ def make_plan(
     logprobs: int | None,
     prompt_param: str,
     grammar: GrammarSpec | None = None,
+    authorization: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Plan:
     """Validate once per prompt up front, so a bad field fails before anything is queued.
 
@@ -136,8 +141,34 @@ def make_plan(
 
     ``grammar``: the output constraint every choice follows (each engine request gets
     its own matcher; the spec itself is shared).
+
+    ``authorization``: the caller's Authorization header, for ``--cached-tokens-scope``.
+
+    ``prompt_logprobs``: score each prompt with this top-N. Only the first choice of a
+    prompt scores it (scoring computes the whole prompt; the other choices reuse that
+    KV), unless max_tokens is 0, where scoring is all a choice does.
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
+    copied = sum(len(p) for p in prompts) * plan.n
+    if plan.num_choices > 1 and copied > client.max_choice_prompt_tokens:
+        raise APIError(
+            400,
+            f"this request's {plan.num_choices} choices read {copied} prompt tokens in all "
+            f"(prompt length x n={plan.n}); at most {client.max_choice_prompt_tokens} are "
+            "allowed per request (--max-choice-prompt-tokens). Lower n, or shorten the prompt.",
+            param="n",
+            code="too_many_prompt_tokens",
+        )
+    if grammar is not None and plan.num_choices > client.max_grammar_choices:
+        raise APIError(
+            400,
+            f"this request asks for {plan.num_choices} constrained choices ({grammar.param}); "
+            f"at most {client.max_grammar_choices} are allowed (--max-grammar-choices). "
+            "Lower n or split the request.",
+            param="n",
+            code="too_many_choices",
+        )
+    entries = 0  # logprob entries the whole response may carry
     stop_token_ids = frozenset(req.stop_token_ids or ())
     for prompt in prompts:
         base = sampling_params(
@@ -149,13 +180,32 @@ def make_plan(
             stop_token_ids=stop_token_ids,
         )
         base.grammar = grammar
+        base.group = base_id  # every copy shares ``base``: the scheduler takes turns
+        base.prompt_logprobs = prompt_logprobs
         client.validate(prompt, base, prompt_param)
+        if logprobs is not None:
+            entries += plan.n * base.max_tokens * (1 + logprobs)
+        rest = base
+        if prompt_logprobs is not None and base.max_tokens > 0:
+            rest = dataclasses.replace(base, prompt_logprobs=None)
         for sample in range(plan.n):
-            if req.seed is None:
-                plan.params.append(base)
-            else:
+            params = base if sample == 0 else rest
+            if req.seed is not None:
                 seed = (req.seed + sample) % SEED_MOD
-                plan.params.append(dataclasses.replace(base, seed=seed))
+                params = dataclasses.replace(params, seed=seed)
+            plan.params.append(params)
+    if entries > client.max_logprob_entries:
+        param = "top_logprobs" if prompt_param == "messages" else "logprobs"
+        raise APIError(
+            400,
+            f"this request may return {entries} logprob entries ({plan.num_choices} choices x "
+            f"max_tokens x (1 + {param}={logprobs})); at most {client.max_logprob_entries} "
+            "are allowed (--max-logprob-entries). Lower n, max_tokens or "
+            f"{param}.",
+            param=param,
+            code="too_many_logprobs",
+        )
+    plan.own_tokens = client.cache_report.own_prefixes(authorization, prompts)
     return plan
 
 
@@ -163,6 +213,19 @@ def start_generation(client: EngineClient, plan: Plan) -> AsyncIterator[Item]:
     return client.generate_many(
         [plan.prompt_of(k) for k in range(plan.num_choices)], plan.params, plan.request_ids()
     )
+
+
+def reported_cache(out: RequestOutput, limit: int | None) -> tuple[int, int, int]:
+    """Cached tokens (device, host, storage) a caller is told, at most ``limit`` in all.
+
+    The cached prefix is the device hits, then the host hits, then the storage hits, so
+    a limit (--cached-tokens-scope) cuts it from the storage end."""
+    tiers = (out.cached_tokens_device, out.cached_tokens_host, out.cached_tokens_storage)
+    if limit is None:
+        return tiers
+    device = min(tiers[0], limit)
+    host = min(tiers[1], limit - device)
+    return device, host, min(tiers[2], limit - device - host)
 
 
 def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
@@ -173,9 +236,9 @@ def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
     for p in range(len(plan.prompts)):
         first = finals.get(p * plan.n)
         if first is not None:
-            device += first.cached_tokens_device
-            host += first.cached_tokens_host
-            storage += first.cached_tokens_storage
+            limit = None if plan.own_tokens is None else plan.own_tokens[p]
+            d, h, s = reported_cache(first, limit)
+            device, host, storage = device + d, host + h, storage + s
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

@@ -12,10 +12,11 @@ from engine import platform
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
-from engine.kvcache.radix_cache import MatchResult, RadixCache, TreeNode
+from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.storage.prefetch import Prefetch
 from engine.kvcache.storage.tier import StorageTier
 from engine.kvcache.transfer import KVTransfer
+from engine.kvcache.tree_node import MatchResult, TreeNode
 
 logger = logging.getLogger("hiserve.hicache")
 
@@ -39,10 +40,12 @@ class HiRadixCache(RadixCache):
         load_threshold: int = 16,
         device: platform.DeviceSpec | None = None,
         storage: StorageTier | None = None,
+        transfer: KVTransfer | None = None,
     ) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
-        self.transfer = KVTransfer(device_pool, host_pool, device)
+        # The copier between the tiers; tensor parallel passes one that records each copy.
+        self.transfer = transfer or KVTransfer(device_pool, host_pool, device)
         self.write_policy = write_policy
         self.load_threshold = load_threshold
         self.storage = storage  # the L3 tier below the host tier, if any
@@ -116,6 +119,10 @@ class HiRadixCache(RadixCache):
         for handle, _ in self._pending:
             handle.wait()
         self.poll()
+
+    @property
+    def backups_in_flight(self) -> bool:
+        return bool(self._pending)
 
     @property
     def evictable_tokens(self) -> int:

@@ -6,33 +6,46 @@ import hashlib
 import logging
 from pathlib import Path
 
-from engine import host_alloc, platform
+from engine import host_alloc, loader, platform
 from engine.config import EngineConfig
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.hicache import HiRadixCache
 from engine.kvcache.host_pool import HostKVPool
+from engine.kvcache.sizing import host_tier_tokens
 from engine.kvcache.storage import KVNamespace, make_store, model_digest
+from engine.kvcache.storage.page_seal import load_secret
 from engine.kvcache.storage.tier import StorageTier
+from engine.kvcache.transfer import KVTransfer, TransferFactory
 
 logger = logging.getLogger("hiserve.hicache")
+
+
+def digest_cache(config: EngineConfig) -> Path:
+    """Where checkpoint digests are kept between starts (see ``keys.model_digest``)."""
+    base = Path(config.cache_dir).expanduser() if config.cache_dir else loader.default_cache_dir()
+    return base / "checkpoint-digests.json"
 
 
 def build_storage(
     config: EngineConfig, host_pool: HostKVPool, model_path: Path | None
 ) -> StorageTier | None:
     """The L3 tier named by --hicache-storage-backend, or None."""
+    if config.hicache_storage_backend == "none":
+        return None
     store = make_store(
         config.hicache_storage_backend,
         directory=config.hicache_storage_dir,
-        max_bytes=int((config.hicache_storage_size or 0) * 1e9),
+        max_bytes=int(config.hicache_storage_size * 1e9),
+        secret=load_secret(config.hicache_storage_secret_file),
+        encrypt=config.hicache_storage_encrypt,
         mooncake_master=config.hicache_mooncake_master,
         mooncake_metadata_server=config.hicache_mooncake_metadata_server,
     )
     if store is None:
         return None
     identity = (
-        model_digest(model_path)
+        model_digest(model_path, digest_cache(config))
         if model_path is not None
         else hashlib.sha256(config.model.encode()).hexdigest()
     )
@@ -62,52 +75,19 @@ def build_storage(
     )
 
 
-def fit_pinned_tokens(tokens: int, bytes_per_token: int, page_size: int, method: str) -> int:
-    """Host-tier tokens, in whole pages, such that the bytes pinned equal the tier's bytes.
-
-    NOTE: ``pin_memory`` goes through the caching host allocator, which pins the next
-    power of two (47 GB asked pins 64 GiB). Where the backend cannot register pageable
-    memory instead (ROCm, NPU, XPU, torch_musa < 2.5), the tier is cut down to the largest
-    whole-page size whose bytes fit the power of two below the request, so it pins no
-    more than the operator gave it.
-    """
-    tokens = max(tokens - tokens % page_size, page_size)
-    if method != "pin_memory":
-        return tokens
-    block = host_alloc.pow2_ceil(tokens * bytes_per_token)
-    if block != tokens * bytes_per_token:
-        block //= 2  # the largest power of two below the request
-    fitted = block // bytes_per_token
-    fitted -= fitted % page_size
-    if fitted < page_size:
-        return tokens  # a single page: nothing smaller exists
-    if fitted != tokens:
-        logger.info(
-            "HiCache host tier: %d tokens instead of %d, so that the %d bytes pinned through "
-            "pin_memory (a power of two) are all the tier's; --hicache-host-alloc "
-            "host_register avoids the rounding where the backend has it",
-            fitted,
-            tokens,
-            fitted * bytes_per_token,
-        )
-    return fitted
-
-
 def build_hicache(
     config: EngineConfig,
     allocator: PageAllocator,
     device_pool: DeviceKVPool,
     spec: platform.DeviceSpec,
     model_path: Path | None = None,
+    make_transfer: TransferFactory = KVTransfer,
 ) -> tuple[HiRadixCache, HostKVPool]:
     """Size the host tier (--hicache-size GB, else --hicache-ratio x device pool)."""
     per_token = device_pool.bytes_per_token
-    if config.hicache_size is not None:
-        host_tokens = int(config.hicache_size * 1e9) // per_token
-    else:
-        host_tokens = int(allocator.capacity * config.hicache_ratio)
-    host_tokens = fit_pinned_tokens(
-        host_tokens,
+    host_tokens = host_tier_tokens(
+        config,
+        allocator.capacity,
         per_token,
         allocator.page_size,
         host_alloc.host_alloc_method(spec, config.hicache_host_alloc),
@@ -141,5 +121,6 @@ def build_hicache(
         config.hicache_load_threshold,
         spec,
         build_storage(config, host_pool, model_path),
+        make_transfer(device_pool, host_pool, spec),
     )
     return tree, host_pool

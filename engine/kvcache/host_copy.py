@@ -26,8 +26,9 @@ from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 
 
-class HostKVPool(Protocol):
-    """What the copies read of a host pool (kvcache/host_pool.py's HostKVPool).
+class HostLayout(Protocol):
+    """What the copies read of a host pool: the buffer and its layout (kvcache/host_pool.py's
+    HostKVPool has them).
 
     NOTE: a protocol, not an import: host_pool uses this module, never the other way."""
 
@@ -86,7 +87,7 @@ def run_start(slots: torch.Tensor) -> int | None:
     return None
 
 
-def piece_tokens(host: HostKVPool) -> int:
+def piece_tokens(host: HostLayout) -> int:
     """Tokens per CPU piece: about CPU_PIECE_BYTES, at least one token."""
     return max(1, CPU_PIECE_BYTES // host.bytes_per_token)
 
@@ -134,7 +135,7 @@ def device_rows(
     return planes[:, None, :] + slots[None, :, None]
 
 
-def host_rows(host: HostKVPool, slots: torch.Tensor, layers: list[int]) -> torch.Tensor:
+def host_rows(host: HostLayout, slots: torch.Tensor, layers: list[int]) -> torch.Tensor:
     """Host row ids in the host buffer's order: ``[2, layers, n]`` or ``[2, n, layers]``."""
     kv = torch.arange(2)[:, None, None]
     if host.layout == "layer_first":
@@ -156,7 +157,7 @@ def rows_view(buffer: torch.Tensor, wide: bool = False) -> torch.Tensor:
 
 
 def _block_views(
-    host: HostKVPool, pool: DeviceKVPool, device_start: int, host_start: int, length: int
+    host: HostLayout, pool: DeviceKVPool, device_start: int, host_start: int, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Device and host ``[2, L, length, H, D]`` views of consecutive slots on both sides:
     one strided copy between them moves every layer."""
@@ -166,7 +167,7 @@ def _block_views(
     return device, host.kv_buffer[:, host_start : host_start + length].transpose(1, 2)
 
 
-def _half_block(host: HostKVPool, kv: int, start: int, length: int) -> slice:
+def _half_block(host: HostLayout, kv: int, start: int, length: int) -> slice:
     """page_first: the host rows of K (kv=0) or V of consecutive slots ``start ..
     start+length-1``, every layer: one contiguous block of ``length * L`` rows."""
     first = (kv * host.capacity + start) * host.num_layers
@@ -181,7 +182,7 @@ def _gather(src: torch.Tensor, rows: torch.Tensor, scratch: torch.Tensor) -> tor
 
 
 def backup_cpu(
-    host: HostKVPool,
+    host: HostLayout,
     pool: DeviceKVPool,
     device_slots: torch.Tensor,
     host_slots: torch.Tensor,
@@ -217,7 +218,7 @@ def backup_cpu(
 
 
 def load_cpu(
-    host: HostKVPool,
+    host: HostLayout,
     pool: DeviceKVPool,
     host_slots: torch.Tensor,
     device_slots: torch.Tensor,
@@ -249,7 +250,7 @@ def load_cpu(
 # ---------------------------------------------------------------- accelerators: staged
 
 
-def _run_token_bytes(host: HostKVPool) -> int:
+def _run_token_bytes(host: HostLayout) -> int:
     """Bytes one token adds to a run's block: a layer plane (layer_first) or a K/V half
     of every layer (page_first)."""
     planes = 2 * host.num_layers if host.layout == "layer_first" else 2
@@ -257,7 +258,7 @@ def _run_token_bytes(host: HostKVPool) -> int:
 
 
 def backup_staged(
-    host: HostKVPool,
+    host: HostLayout,
     pool: DeviceKVPool,
     device_slots: torch.Tensor,  # on the device
     host_slots: torch.Tensor,  # CPU
@@ -310,7 +311,7 @@ def backup_staged(
 
 
 def load_staged(
-    host: HostKVPool,
+    host: HostLayout,
     pool: DeviceKVPool,
     host_slots: torch.Tensor,  # CPU
     device_slots: torch.Tensor,  # on the device

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
-from engine.kvcache.radix_cache import MatchResult, RadixCache
 from engine.kvcache.req_table import ReqTable
+from engine.kvcache.tree_base import MatchResult, PrefixTree
 from engine.request import Req
 
 
@@ -22,7 +22,7 @@ class KVCacheManager:
     nodes. Hence ``allocator.free_tokens + sum(owned) + tree.cached_tokens == capacity``.
     """
 
-    def __init__(self, allocator: PageAllocator, req_table: ReqTable, tree: RadixCache) -> None:
+    def __init__(self, allocator: PageAllocator, req_table: ReqTable, tree: PrefixTree) -> None:
         self.allocator = allocator
         self.req_table = req_table
         self.tree = tree
@@ -120,6 +120,11 @@ class KVCacheManager:
 
     @staticmethod
     def _match_key(req: Req) -> list[int]:
+        # NOTE: a request scoring its prompt needs logits at every prompt position, and
+        # the tree keeps KV, not logits: it matches nothing and computes the whole prompt
+        # (one prefill). Its pages still land in the tree for later requests.
+        if req.scoring_prompt:
+            return []
         # The last token must be computed to get logits, so never match all of it.
         return req.all_ids[: req.seq_len - 1]
 
@@ -226,16 +231,14 @@ class KVCacheManager:
             while node is not None and node is not self.tree.root:
                 expected[node.id] = expected.get(node.id, 0) + 1
                 node = node.parent
-        if not getattr(self.tree, "_pending", None):
+        if not self.tree.backups_in_flight:
             for node in self.tree.nodes():
                 if node.lock_ref != expected.get(node.id, 0):
                     raise AssertionError(
                         f"lock leak: node {node.id} has lock_ref {node.lock_ref}, "
                         f"running requests account for {expected.get(node.id, 0)}"
                     )
-        check_host = getattr(self.tree, "check_host_invariants", None)
-        if check_host is not None:
-            check_host()
+        self.tree.check_host_invariants()
         if total != self.capacity:
             raise AssertionError(
                 f"KV accounting broken: free {self.allocator.free_tokens} + owned {owned} + "

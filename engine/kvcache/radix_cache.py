@@ -3,81 +3,19 @@
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
 
 import torch
 
 from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.tree_base import PrefixTree
+from engine.kvcache.tree_node import MatchResult, TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-class TreeNode:
-    """One edge of the radix tree: ``key`` tokens and where their KV lives.
-
-    ``value``: device slots (int64, CPU tensor) or None once evicted from the device.
-    ``host_value``: host-tier slots or None (HiCache only).
-    ``storage_key``: key of the node's last page in the L3 store, once computed;
-    ``in_storage``: whether all its pages are known to be in that store (L3 only).
-    """
-
-    __slots__ = (
-        "children",
-        "hit_count",
-        "host_value",
-        "id",
-        "in_storage",
-        "key",
-        "last_access",
-        "lock_ref",
-        "parent",
-        "storage_key",
-        "value",
-    )
-    _ids = itertools.count()
-
-    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None):
-        self.key = key
-        self.value = value
-        self.host_value: torch.Tensor | None = None
-        self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access = time.monotonic()
-        self.hit_count = 0
-        self.storage_key: str | None = None
-        self.in_storage = False
-        self.id = next(TreeNode._ids)
-
-    @property
-    def on_device(self) -> bool:
-        return self.value is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_value is not None
-
-    def __lt__(self, other: TreeNode) -> bool:
-        return self.last_access < other.last_access
-
-
-class MatchResult(NamedTuple):
-    """Longest cached prefix of a key, split by tier."""
-
-    device_slots: torch.Tensor  # [device_len] slots of the device-resident part
-    device_node: TreeNode  # deepest device-resident matched node (root if none)
-    host_len: int  # tokens after the device part that exist on the host tier only
-    host_node: TreeNode  # deepest matched node overall (== device_node when host_len 0)
-
-    @property
-    def device_len(self) -> int:
-        return int(self.device_slots.numel())
-
-
-class RadixCache:
+class RadixCache(PrefixTree):
     """Prefix cache with lock counts and LRU eviction of unlocked leaves.
 
     NOTE: every device slot is exactly one of free (allocator), owned by a running
@@ -99,10 +37,6 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.cached_tokens = 0  # device tokens held by nodes
         self.protected_tokens = 0  # device tokens held by locked nodes
-
-    @property
-    def evictable_tokens(self) -> int:
-        return self.cached_tokens - self.protected_tokens
 
     def _page_key(self, key: list[int], start: int = 0) -> tuple[int, ...]:
         return tuple(key[start : start + self.page_size])
@@ -216,33 +150,6 @@ class RadixCache:
             node = child
             pos += matched
         return already
-
-    def load_back(self, match: MatchResult) -> MatchResult:
-        """Bring the host-only part of ``match`` to the device (HiCache overrides this).
-
-        Returns a longer match on success, or ``match`` unchanged (then it is recomputed).
-        """
-        return match
-
-    def take_load_handles(self) -> list[Any]:
-        """Host-to-device copies issued since the last call (HiCache); the next forward
-        waits for each of them layer by layer before reading KV."""
-        return []
-
-    # L3 prefetch (HiCache with a store overrides these; a plain tree has nothing to read)
-    def start_prefetch(self, match: MatchResult, key: list[int]) -> Any:
-        """Start reading stored pages that continue ``match``; None: nothing to read."""
-        return None
-
-    def prefetch_done(self, prefetch: Any) -> bool:
-        return True
-
-    def finish_prefetch(self, prefetch: Any, key: list[int]) -> int:
-        """Tokens a decided prefetch added to the tree."""
-        return 0
-
-    def cancel_prefetch(self, prefetch: Any) -> None:
-        """Give up a prefetch whose request left."""
 
     def _on_insert_node(self, node: TreeNode) -> None:
         """Hook for the host tier (write-through backup)."""

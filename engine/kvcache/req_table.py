@@ -6,6 +6,9 @@ import torch
 
 from engine.host_alloc import pinned_empty
 
+# (row, start, slots) of every write, in order: what the other tensor-parallel ranks replay.
+TableJournal = list[tuple[int, int, torch.Tensor]]
+
 
 class ReqTable:
     """``[max_running_requests, max_context]`` int32 on the device, plus a free-row list.
@@ -15,7 +18,13 @@ class ReqTable:
     them in one upload before the forward that reads ``table``.
     """
 
-    def __init__(self, max_rows: int, max_context: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_rows: int,
+        max_context: int,
+        device: torch.device,
+        journal: TableJournal | None = None,
+    ) -> None:
         self.max_rows = max_rows
         self.max_context = max_context
         self.cpu = torch.zeros(max_rows, max_context, dtype=torch.int32)
@@ -28,7 +37,7 @@ class ReqTable:
         self._dirty: list[tuple[int, int, int]] = []  # (row, start, length) not yet uploaded
         self._free_rows: list[int] = list(range(max_rows - 1, -1, -1))
         # Tensor parallel (rank 0): every write, for the other ranks' copies of the table.
-        self.journal: list[tuple[int, int, torch.Tensor]] | None = None
+        self.journal = journal
 
     @property
     def free_rows(self) -> int:

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Builds a tree's copier between the tiers (tensor parallel: one that records each copy).
+TransferFactory = Callable[[DeviceKVPool, "HostKVPool", DeviceSpec | None], "KVTransfer"]
+
 
 # ---------------------------------------------------------------- asynchronous transfers
 

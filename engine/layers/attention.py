@@ -3,7 +3,7 @@ a native CPU decode kernel."""
 
 from __future__ import annotations
 
-import abc
+import logging
 from typing import Any
 
 import torch
@@ -12,66 +12,30 @@ import torch.nn.functional as F
 from engine.config import ATTENTION_BACKENDS
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.layers import cpu_kernels
+from engine.layers.attention_base import AttentionBackend
 from engine.layers.attention_meta import AttentionMetadata
 
+logger = logging.getLogger(__name__)
+
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Devices whose SDPA kernels accumulate half-precision softmax in float32 themselves:
+# half inputs go in as they are (MUSA's flash kernels do, like CUDA's).
+_NATIVE_HALF_SDPA = ("cuda", "musa")
 
 
-class AttentionBackend(abc.ABC):
-    """Writes the new tokens' K/V to the pool and attends each new query over its sequence."""
-
-    name = "abstract"
-    # Whether a pure decode step through this backend can be captured in a device graph
-    # when the decode layout is precomputed in ``meta.cache`` (see engine/graph_runner.py):
-    # no host reads of tensor values, no shapes taken from the per-step Python lists.
-    graph_safe_decode = False
-
-    @abc.abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, q_heads, head_dim]
-        k: torch.Tensor,  # [T, kv_heads, head_dim]
-        v: torch.Tensor,  # [T, kv_heads, head_dim]
-        layer_id: int,
-        meta: AttentionMetadata,
-        kv_pool: DeviceKVPool,
-    ) -> torch.Tensor:  # [T, q_heads * head_dim]
-        ...
-
-    def store_new_kv(
-        self,
-        k: torch.Tensor,  # [T, kv_heads, head_dim]
-        v: torch.Tensor,  # [T, kv_heads, head_dim]
-        layer_id: int,
-        meta: AttentionMetadata,
-        kv_pool: DeviceKVPool,
-    ) -> None:
-        """Write the new tokens' K/V of ``layer_id`` into their pool slots, first thing in
-        every backend's forward."""
-        # NOTE: host-tier loads copy into this layer's pool buffers: wait for them before
-        # writing or reading the layer.
-        for load in meta.kv_loads:
-            load.wait_layer(layer_id)
-        self._store_kv(layer_id, meta, k, v, kv_pool)
-
-    def _store_kv(
-        self,
-        layer_id: int,
-        meta: AttentionMetadata,
-        k: torch.Tensor,  # [T, kv_heads, head_dim]
-        v: torch.Tensor,  # [T, kv_heads, head_dim]
-        kv_pool: DeviceKVPool,
-    ) -> None:
-        """Write the new tokens' K/V to their slots of layer ``layer_id`` (a backend with a
-        faster write overrides this)."""
-        kv_pool.write(layer_id, meta.out_slots, k, v)
+def sdpa_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype SDPA runs in for ``dtype`` inputs on ``device_type``: half precision
+    stays where the kernels accumulate in float32, float32 elsewhere."""
+    if dtype in _HALF_DTYPES and device_type not in _NATIVE_HALF_SDPA:
+        return torch.float32
+    return dtype
 
 
 class TorchAttentionBackend(AttentionBackend):
     """SDPA-based backend: one batched gather for decode, one SDPA per sequence for extend.
 
     Half-precision inputs are attended in float32 (softmax included) on devices other than
-    CUDA; CUDA's fused SDPA kernels already accumulate the softmax in float32.
+    CUDA and MUSA, whose fused SDPA kernels already accumulate the softmax in float32.
     """
 
     name = "torch"
@@ -211,8 +175,9 @@ class TorchAttentionBackend(AttentionBackend):
         causal: bool,
     ) -> torch.Tensor:
         out_dtype = q.dtype
-        if out_dtype in _HALF_DTYPES and q.device.type != "cuda":
-            q, k, v = q.float(), k.float(), v.float()
+        compute = sdpa_dtype(q.device.type, out_dtype)
+        if compute != out_dtype:
+            q, k, v = q.to(compute), k.to(compute), v.to(compute)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
@@ -223,6 +188,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     layer. float32 on the CPU only; extend/prefill stays on SDPA."""
 
     name = "cpu_native"
+    decode_reads_pool_in_place = True
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
@@ -268,12 +234,16 @@ def get_attention_backend(
 ) -> AttentionBackend:
     """The backend called ``name`` (one of ATTENTION_BACKENDS) for a model on ``device``
     in ``dtype``. ``auto``: the native CPU kernel for float32 on the CPU where it builds,
-    else the pure-PyTorch reference."""
+    the Triton paged kernel on GPUs where triton has a working backend, else the
+    pure-PyTorch reference (on a GPU: logged, it gathers K/V every layer)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}"
         )
-    on_cpu_fp32 = (device is None or device.type == "cpu") and dtype in (None, torch.float32)
+    on_cpu = device is None or device.type == "cpu"
+    if name == "triton" or (name == "auto" and not on_cpu):
+        return _triton_backend(name, device if device is not None else torch.device("cpu"))
+    on_cpu_fp32 = on_cpu and dtype in (None, torch.float32)
     if name == "torch" or (name == "auto" and not on_cpu_fp32):
         return TorchAttentionBackend()
     if not on_cpu_fp32:
@@ -288,4 +258,25 @@ def get_attention_backend(
         raise RuntimeError(
             f"attention backend 'cpu_native' could not be built: {cpu_kernels.build_error()}"
         )
+    return TorchAttentionBackend()
+
+
+def _triton_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The Triton backend on ``device``; where it cannot run, an error when asked for by
+    name, the gather fallback (logged) under ``auto``."""
+    from engine.layers import triton_ops
+
+    reason = triton_ops.unavailable_reason(device)
+    if reason is None:
+        from engine.layers.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "triton":
+        raise RuntimeError(f"attention backend 'triton' cannot run on {device}: {reason}")
+    logger.warning(
+        "attention: Triton paged kernel unavailable on %s (%s); falling back to the "
+        "PyTorch backend, which gathers every row's K/V per layer",
+        device,
+        reason,
+    )
     return TorchAttentionBackend()

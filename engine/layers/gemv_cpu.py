@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # Set to 0 to keep oneDNN / F.linear at every batch size (for comparisons).
 ENV_SWITCH = "HISERVE_CPU_GEMV"
 # The most rows a layer sends to the kernel; more go to oneDNN. Streaming from memory the
-# kernel beat oneDNN's packed GEMM at 1 and 2 rows and lost from 3 on (bench/gemv.py,
+# kernel beat oneDNN's packed GEMM at 1 and 2 rows and lost from 3 on (bench/micro/gemv.py,
 # SmolLM2-135M shapes, 2-core Zen 4); the kernel itself takes up to ``MAX_TOKENS`` (8).
 GEMV_MAX_TOKENS = 2
 _GEMV = NativeExtension(

@@ -12,8 +12,19 @@ from torch import nn
 
 from engine.layers.linear import ALL_SHARDS, FusedLinear, activation_fn
 
+# Steps of at most this many tokens on an accelerator route on the device, with no host
+# sync (decode, graph-capturable); each expert then computes a block of this many rows,
+# so past it (prefill) the per-expert loop's one sync per layer is the cheaper cost.
+DEVICE_ROUTING_MAX_TOKENS = 256
+
 # Checkpoint projection names (Mixtral w1/w3/w2, Qwen gate/up/down) -> half of w13 or w2.
 EXPERT_PROJ = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": None, "down_proj": None}
+
+
+def routes_on_device(device_type: str, num_tokens: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens takes the sync-free grouped path: on an
+    accelerator, up to DEVICE_ROUTING_MAX_TOKENS (the CPU has no device to wait for)."""
+    return device_type != "cpu" and num_tokens <= DEVICE_ROUTING_MAX_TOKENS
 
 
 class SparseMoE(nn.Module):
@@ -64,10 +75,49 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, hidden] -> [T, hidden]
         experts, weights = self.route(x)
+        if routes_on_device(x.device.type, x.shape[0]):
+            out = self.grouped_on_device(x, experts, weights)
+        else:
+            out = self.per_expert(x, experts, weights)
+        if self.output_reduce is not None:
+            out = self.output_reduce(out)
+        return out
+
+    def grouped_on_device(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Sort-and-group with shapes fixed by ``T`` alone, so nothing is read on the host:
+        assignments sorted by expert, each expert's run gathered into a block of ``T`` rows
+        (an expert gets each token at most once), two batched matmuls over all experts,
+        one weighted scatter-add back. [T, hidden] -> [T, hidden]"""
+        num_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)  # [T * k] assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        starts = torch.cumsum(counts, 0) - counts  # [E] first sorted assignment per expert
+        rows = torch.arange(num_tokens, device=x.device)  # [T]
+        valid = rows[None, :] < counts[:, None]  # [E, T]
+        # NOTE: invalid rows point at assignment 0 and get weight 0: computed, dropped.
+        picked = order[(starts[:, None] + rows[None, :]).masked_fill(~valid, 0)]  # [E, T]
+        token_idx = picked // top_k  # [E, T]
+        gate_weight = weights.reshape(-1)[picked] * valid  # [E, T]
+        tokens = x[token_idx]  # [E, T, hidden]
+        gate_up = torch.bmm(tokens, self.w13.transpose(1, 2))  # [E, T, 2 * intermediate]
+        size = self.intermediate_size
+        hidden = self.act(gate_up[..., :size]) * gate_up[..., size:]  # [E, T, intermediate]
+        expert_out = torch.bmm(hidden, self.w2.transpose(1, 2))  # [E, T, hidden]
+        expert_out = expert_out * gate_weight[..., None].to(expert_out.dtype)
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_idx.reshape(-1), expert_out.reshape(-1, x.shape[1]))
+        return out
+
+    def per_expert(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """One matmul pair per expert that received tokens. [T, hidden] -> [T, hidden]"""
         out = torch.zeros_like(x)
         size = self.intermediate_size
-        # NOTE: .tolist() syncs with the device once per layer; the grouped path is the
-        # place to remove it where it measures faster.
+        # NOTE: .tolist() syncs with the device once per layer (large steps only on a GPU).
         for expert in torch.unique(experts).tolist():
             token_idx, k_pos = torch.where(experts == expert)  # [n], [n]
             tokens = x[token_idx]  # [n, hidden]
@@ -75,8 +125,6 @@ class SparseMoE(nn.Module):
             hidden = self.act(gate_up[:, :size]) * gate_up[:, size:]  # [n, intermediate]
             expert_out = hidden @ self.w2[expert].t()  # [n, hidden]
             out.index_add_(0, token_idx, expert_out * weights[token_idx, k_pos, None])
-        if self.output_reduce is not None:
-            out = self.output_reduce(out)
         return out
 
     # ---- weights: see engine/models/weights.py -----------------------------------------

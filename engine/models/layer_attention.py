@@ -48,8 +48,9 @@ def layer_backends(
     softcap: float | None = None,
     scale: float | None = None,
 ) -> list[AttentionBackend]:
-    """One backend per layer: ``shared`` for plain causal layers, a
-    WindowedAttentionBackend where a window, soft-capping or a custom scale applies."""
+    """One backend per layer: ``shared`` for plain causal layers; where a window,
+    soft-capping or a custom scale applies, ``shared`` with those options if it takes them
+    (the Triton kernel), else a WindowedAttentionBackend."""
     window = getattr(hf_config, "sliding_window", None)
     backends: list[AttentionBackend] = []
     for kind in layer_types(hf_config):
@@ -57,5 +58,6 @@ def layer_backends(
         if layer_window is None and softcap is None and scale is None:
             backends.append(shared)
         else:
-            backends.append(WindowedAttentionBackend(layer_window, softcap, scale))
+            own = shared.with_options(layer_window, softcap, scale)
+            backends.append(own or WindowedAttentionBackend(layer_window, softcap, scale))
     return backends

@@ -21,6 +21,27 @@ from typing import Any
 PARSER_NAMES = ("auto", "hermes", "qwen", "llama3_json")
 
 
+def load_json(text: str) -> Any:
+    """``json.loads``, with JSON nested past Python's recursion limit as a ValueError.
+
+    NOTE: model output and client tool-call arguments can nest deeper than the
+    interpreter's stack allows (``[[[[...``); json raises RecursionError for them, which
+    would escape every ``except ValueError`` below as a 500. Such text is not a call.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def dump_json(value: Any) -> str:
+    """``json.dumps`` (non-ASCII kept), with too deep a value as a ValueError."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
@@ -66,12 +87,15 @@ def _as_call(obj: Any, tool_names: Sequence[str], args_keys: tuple[str, ...]) ->
         arguments = {}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = load_json(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(str(obj["name"]), json.dumps(arguments, ensure_ascii=False))
+    try:
+        return ParsedCall(str(obj["name"]), dump_json(arguments))
+    except ValueError:
+        return None
 
 
 class HermesParser(ToolCallParser):
@@ -87,7 +111,7 @@ class HermesParser(ToolCallParser):
         calls = []
         for body in self._BLOCK.findall(text, start):
             try:
-                obj = json.loads(body.strip())
+                obj = load_json(body.strip())
             except ValueError:
                 return ParseResult(text, [])
             call = _as_call(obj, tool_names, ("arguments", "parameters"))
@@ -141,7 +165,7 @@ class Llama3JsonParser(ToolCallParser):
         while pos < len(body):
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deeply
                 return ParseResult(text, [])
             call = _as_call(obj, tool_names, ("parameters", "arguments"))
             if call is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from server.protocol import ChatCompletionRequest
 from server.tools.definitions import ToolPlan
-from server.tools.parsers import ToolCallParser
+from server.tools.parsers import ToolCallParser, load_json
 
 _TOOLS_VAR = re.compile(r"\btools\b")
 
@@ -31,7 +31,7 @@ def _call_arguments(call: dict[str, Any]) -> tuple[str, Any]:
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         with contextlib.suppress(ValueError):  # else kept as the text the client sent
-            arguments = json.loads(arguments)
+            arguments = load_json(arguments)
     return str(function.get("name", "")), arguments
 
 

@@ -7,7 +7,6 @@ text as content, never a call) when the reply was cut.
 
 from __future__ import annotations
 
-import json
 import secrets
 import string
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from server.protocol import (
     ToolCall,
 )
 from server.tools.definitions import ToolPlan, arguments_text
-from server.tools.parsers import ParsedCall, ToolCallParser
+from server.tools.parsers import ParsedCall, ToolCallParser, load_json
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -57,7 +56,7 @@ def finish_tools(
 
 def _normalised(arguments: str) -> str:
     try:
-        return arguments_text(json.loads(arguments))
+        return arguments_text(load_json(arguments))
     except ValueError:
         return arguments
 
@@ -65,7 +64,7 @@ def _normalised(arguments: str) -> str:
 def _required_calls(text: str) -> list[ParsedCall]:
     """The ``[{"name", "parameters"}, ...]`` array the required-call schema produces."""
     try:
-        items = json.loads(text)
+        items = load_json(text)
     except ValueError:
         return []
     if not isinstance(items, list):
@@ -74,7 +73,11 @@ def _required_calls(text: str) -> list[ParsedCall]:
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return []
-        calls.append(ParsedCall(item["name"], arguments_text(item.get("parameters", {}))))
+        try:
+            arguments = arguments_text(item.get("parameters", {}))
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
+            return []
+        calls.append(ParsedCall(item["name"], arguments))
     return calls
 
 

@@ -174,8 +174,8 @@ def test_base_image_default_matches_dockerfile(raw: dict[str, Any]) -> None:
 
 def test_env_example_points_at_documents_that_exist() -> None:
     text = ENV_EXAMPLE.read_text()
-    readme = (ROOT / "README.md").read_text()
-    for heading in re.findall(r'README\.md, "([^"]+)"', text):
-        assert re.search(rf"^#+ {re.escape(heading)}$", readme, re.M), heading
+    for doc, heading in re.findall(r'((?:README|docs/[\w-]+)\.md), "([^"]+)"', text):
+        body = (ROOT / doc).read_text()
+        assert re.search(rf"^#+ {re.escape(heading)}$", body, re.M), (doc, heading)
     for path in re.findall(r"\b((?:docs|docker)/[\w./-]+\.\w+)", text):
         assert (ROOT / path).exists(), f".env.example refers to {path}, which does not exist"

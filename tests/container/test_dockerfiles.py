@@ -116,13 +116,16 @@ def musa_problems(text: str) -> list[str]:
 def runs_python_code(command: str) -> bool:
     """Whether a shell command runs Python code that may import torch.
 
-    ``pip`` and the stdlib-only build helpers (vendor_torch.py, find_python.sh) never do.
+    ``pip`` and the stdlib-only build helpers (vendor_torch.py, native_libs.py,
+    find_python.sh) never do.
     """
     for words in simple_commands(command):
         if not words or not re.fullmatch(r"(.*/)?python3?", words[0]):
             continue
         rest = words[1:]
-        if rest[:2] == ["-m", "pip"] or (rest and rest[0].endswith("vendor_torch.py")):
+        if rest[:2] == ["-m", "pip"] or (
+            rest and rest[0].endswith(("vendor_torch.py", "native_libs.py"))
+        ):
             continue
         return True
     return False
@@ -206,7 +209,10 @@ def test_dockerfile_musa_passes_static_checks() -> None:
             lambda t: t + '\nRUN python -m pip list && python -c "import torch"\n',
             "autoload on",
         ),
-        (lambda t: t.replace("--require torch_musa\n\n# 3.", "\n\n# 3."), "still there"),
+        (
+            lambda t: t.replace("--require torch_musa \\\n && python /opt/hiserve/native", "&& x"),
+            "still there",
+        ),
         (lambda t: t.replace("PATH=/opt/hiserve/python/bin:", "PATH="), "first on PATH"),
         (
             lambda t: re.sub(r"RUN sh /opt/hiserve/find_python.sh[^&]*&& ", "RUN ", t),
@@ -352,15 +358,32 @@ def test_verify_fails_when_torch_changed(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
+def fake_dist(site: Path, name: str, version: str) -> None:
+    dist = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
 def test_verify_fails_when_nvidia_packages_got_in(frozen: Path, tmp_path: Path) -> None:
-    dist = tmp_path / "nvidia_cublas_cu12-12.4.5.8.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: nvidia-cublas-cu12\nVersion: 12.4.5.8\n"
-    )
+    fake_dist(tmp_path, "nvidia-cublas-cu12", "12.4.5.8")
     done = run_vendor("verify", str(frozen), pythonpath=str(tmp_path))
     assert done.returncode == 1
     assert "nvidia-cublas-cu12" in done.stderr
+
+
+def test_nvidia_packages_the_base_image_shipped_are_not_flagged(tmp_path: Path) -> None:
+    """Recorded at freeze time; only one that arrives after the freeze fails the build."""
+    base, later = tmp_path / "base", tmp_path / "later"
+    fake_dist(base, "nvidia-nccl-cu12", "2.21.5")
+    constraints = tmp_path / "c.txt"
+    assert run_vendor("freeze", str(constraints), pythonpath=str(base)).returncode == 0
+    assert "nvidia-nccl-cu12==2.21.5" in constraints.read_text().splitlines()
+    done = run_vendor("verify", str(constraints), pythonpath=str(base))
+    assert done.returncode == 0, done.stderr
+    fake_dist(later, "nvidia-cublas-cu12", "12.4.5.8")
+    done = run_vendor("verify", str(constraints), pythonpath=f"{base}:{later}")
+    assert done.returncode == 1
+    assert "nvidia-cublas-cu12" in done.stderr and "nvidia-nccl" not in done.stderr
 
 
 def test_verify_fails_when_torch_musa_is_gone(frozen: Path) -> None:

@@ -11,7 +11,8 @@ import torch
 
 from engine.model_runner import StepInputs
 from engine.platform import DeviceSpec
-from engine.tp_mirror import KVCopy, KVGeometry, RankKV, StepMessage
+from engine.tp.mirror import RankKV
+from engine.tp.protocol import KVCopy, KVGeometry, StepMessage
 
 pytestmark = pytest.mark.cuda
 SPEC = DeviceSpec("cuda", 0)

@@ -21,7 +21,13 @@ _CONVERSATIONS = itertools.count()
 
 
 def auth(fleet: LocalFleet) -> dict[str, str]:
+    """What a client sends: the client key."""
     return {"Authorization": f"Bearer {fleet.api_key}"}
+
+
+def admin_auth(fleet: LocalFleet) -> dict[str, str]:
+    """What an operator (and the router, to the replicas) sends: the admin key."""
+    return {"Authorization": f"Bearer {fleet.admin_key}"}
 
 
 def openai_client(url: str, api_key: str, timeout: float = 120.0) -> openai.OpenAI:
@@ -53,13 +59,13 @@ def chat_rounds(client: openai.OpenAI, model: str, rounds: int) -> list[tuple[st
 
 
 def replica_loads(url: str, fleet: LocalFleet) -> dict[str, Any]:
-    response = httpx.get(url + "/v1/loads", headers=auth(fleet), timeout=10.0)
+    response = httpx.get(url + "/v1/loads", headers=admin_auth(fleet), timeout=10.0)
     assert response.status_code == 200, response.text
     return dict(response.json())
 
 
 def router_engine_load(fleet: LocalFleet, worker_url: str) -> dict[str, Any] | None:
-    workers = httpx.get(fleet.url + "/workers", headers=auth(fleet), timeout=10.0).json()
+    workers = httpx.get(fleet.url + "/workers", headers=admin_auth(fleet), timeout=10.0).json()
     for worker in workers["workers"]:
         if worker["url"] == worker_url and worker.get("engine_load"):
             return dict(worker["engine_load"]["loads"][0])
@@ -98,8 +104,8 @@ def listening_addresses(pid: int) -> set[str]:
     return found
 
 
-def requests_finished(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10.0).text
+def requests_finished(url: str, fleet: LocalFleet) -> float:
+    text = httpx.get(url + "/metrics", headers=admin_auth(fleet), timeout=10.0).text
     for line in text.splitlines():
         if line.startswith("hiserve:requests_finished_total "):
             return float(line.split()[-1])

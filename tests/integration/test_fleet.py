@@ -22,6 +22,7 @@ import pytest
 from bench.fleet import LocalFleet, Process
 from tests.integration.fleet_client import (
     WORKER_HEADER,
+    admin_auth,
     auth,
     chat_rounds,
     listening_addresses,
@@ -82,20 +83,22 @@ def test_worker_surface_as_the_router_reads_it(fleet: LocalFleet, model: str) ->
     for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens"):
         assert isinstance(load[key], int) and load[key] >= 0
 
-    info = httpx.get(worker.url + "/server_info", headers=auth(fleet)).json()
+    info = httpx.get(worker.url + "/server_info", headers=admin_auth(fleet)).json()
     assert info["served_model_name"] == model
     assert info["device"] == "cpu" and info["version"]
     assert info["cache"]["kv_total_tokens"] == KV_TOKENS
     assert info["cache"]["enable_prefix_cache"] is True
-    model_info = httpx.get(worker.url + "/model_info", headers=auth(fleet)).json()
+    model_info = httpx.get(worker.url + "/model_info", headers=admin_auth(fleet)).json()
     assert model_info["model_path"] == info["model_path"]
     assert model_info["is_generation"] is True
     for path in ("/v1/loads", "/server_info", "/model_info", "/v1/models"):
         assert httpx.get(worker.url + path).status_code == 401, path
+    for path in ("/v1/loads", "/server_info", "/model_info"):  # the client key: not these
+        assert httpx.get(worker.url + path, headers=auth(fleet)).status_code == 401, path
     assert httpx.get(worker.url + "/health").status_code == 200  # no key needed
 
     # The router registered each replica from these answers and parsed its load.
-    workers = httpx.get(fleet.url + "/workers", headers=auth(fleet)).json()["workers"]
+    workers = httpx.get(fleet.url + "/workers", headers=admin_auth(fleet)).json()["workers"]
     assert {w["url"] for w in workers} == {w.url for w in fleet.workers}
     for registered in workers:
         assert registered["model_id"] == model
@@ -239,6 +242,53 @@ def test_round_robin_spreads_a_conversation(
             assert usage_after.prompt_tokens_details.cached_tokens < usage_before.prompt_tokens
 
 
+def _registered(router_url: str, fleet: LocalFleet) -> dict[str, str]:
+    """url -> worker id, as the router itself lists them (read with the admin key)."""
+    listed = httpx.get(router_url + "/workers", headers=admin_auth(fleet), timeout=10.0)
+    assert listed.status_code == 200, listed.text
+    return {w["url"]: w["id"] for w in listed.json()["workers"]}
+
+
+def test_client_key_cannot_change_the_routing(
+    fleet: LocalFleet, round_robin: Process, model: str
+) -> None:
+    """Issue 25 item 4: the client key used to be the router's admin key too, so any
+    client could register its own URL as a worker or remove the real replicas."""
+    before = _registered(round_robin.url, fleet)
+    assert set(before) == {w.url for w in fleet.workers}
+    victim_url, victim_id = sorted(before.items())[0]
+    attacker = {"url": "http://127.0.0.1:9", "api_key": "stolen"}
+    for headers in ({}, auth(fleet)):
+        for router_url in (fleet.url, round_robin.url):
+            added = httpx.post(router_url + "/workers", json=attacker, headers=headers)
+            assert added.status_code in (401, 403), added.text
+            removed = httpx.delete(f"{router_url}/workers/{victim_id}", headers=headers)
+            assert removed.status_code in (401, 403), removed.text
+            flushed = httpx.post(router_url + "/flush_cache", headers=headers)
+            assert flushed.status_code in (401, 403), flushed.text
+    assert _registered(round_robin.url, fleet) == before
+    assert set(_registered(fleet.url, fleet)) == set(before)
+    # a replica's admin routes refuse the client key as well
+    flushed = httpx.post(victim_url + "/flush_cache", headers=auth(fleet))
+    assert flushed.status_code == 401, flushed.text
+
+    # The admin key works: take a replica out of the rotation, then put it back.
+    removed = httpx.delete(f"{round_robin.url}/workers/{victim_id}", headers=admin_auth(fleet))
+    assert removed.status_code < 300, removed.text
+    assert wait_until(lambda: victim_url not in _registered(round_robin.url, fleet))
+    routed = openai_client(round_robin.url, fleet.api_key)
+    for i in range(2):
+        raw = routed.completions.with_raw_response.create(
+            model=model, prompt=f"Hi {i}", max_tokens=1
+        )
+        assert raw.headers[WORKER_HEADER] != victim_url
+    # a worker added at run time gets no key unless the request names one
+    back = {"url": victim_url, "api_key": fleet.admin_key}
+    added = httpx.post(round_robin.url + "/workers", json=back, headers=admin_auth(fleet))
+    assert added.status_code < 300, added.text
+    fleet.wait_healthy(set(before), timeout=60, router=round_robin)
+
+
 def test_replica_killed_then_restarted(fleet: LocalFleet, round_robin: Process, model: str) -> None:
     client = openai_client(fleet.url, fleet.api_key, timeout=180.0)
     prompt = system_prompt() + " Tell me a long story."
@@ -331,7 +381,7 @@ def test_fleet_listens_on_loopback_only(fleet: LocalFleet) -> None:
 def test_bench_text_mode_through_the_router(fleet: LocalFleet, tmp_path: Path) -> None:
     from bench.__main__ import main as bench_main
 
-    before = {w.url: requests_finished(w.url) for w in fleet.workers}
+    before = {w.url: requests_finished(w.url, fleet) for w in fleet.workers}
     out = tmp_path / "bench.json"
     status = bench_main(
         ["run", "--base-url", fleet.url, "--api-key", fleet.api_key, "--prompt-mode", "text",
@@ -343,7 +393,7 @@ def test_bench_text_mode_through_the_router(fleet: LocalFleet, tmp_path: Path) -
     report = json.loads(out.read_text())
     assert report["completed"] == 6 and report["cached_tokens_reported"]
     # the router's worker header, counted by the bench, agrees with each replica's own count
-    served = {url: int(requests_finished(url) - before[url]) for url in before}
+    served = {url: int(requests_finished(url, fleet) - before[url]) for url in before}
     assert report["workers"] == {url: n for url, n in served.items() if n}
     # cache_aware: every second round lands where its first round left the prefix
     assert report["cache_hit_rate"] >= 0.9 * report["ideal_hit_rate"]

@@ -100,7 +100,8 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server: Any) -> None:
 
 
 def _metric(server: Any, tools: SimpleNamespace, name: str, labels: str = "") -> float:
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    headers = {"Authorization": f"Bearer {KEY}"}
+    text = httpx.get(server.base_url + "/metrics", headers=headers, timeout=30).text
     return float(tools.metric_value(text, name, labels))
 
 

@@ -33,18 +33,37 @@ PROTECTED: list[tuple[str, str, dict[str, Any] | None]] = [
     ("PUT", "/v1/chat/completions", CHAT),
     ("GET", "/v1", None),
     ("GET", "/v1/no-such-route", None),
+    ("GET", "/metrics", None),
+    ("GET", "/server_info", None),
+    ("GET", "/model_info", None),
+    ("GET", "/v1/loads", None),
 ]
+ADMIN_KEY = "fleet-Admin-key"
+ADMIN_ROUTES = [("POST", "/flush_cache"), ("GET", "/server_info"), ("GET", "/model_info")]
+
+
+def _serve(tools: SimpleNamespace, **kw: Any) -> Any:
+    def factory(config: EngineConfig) -> FakeEngine:
+        return FakeEngine(config)
+
+    args = ServerArgs(engine=EngineConfig(), max_body_bytes=LIMIT, **kw)
+    server = tools.ThreadServer(create_app(args, engine_factory=factory)).__enter__()
+    assert tools.wait_until(lambda: httpx.get(server.base_url + "/health").status_code == 200)
+    return server
 
 
 @pytest.fixture
 def srv(tools: SimpleNamespace) -> Iterator[Any]:
-    def factory(config: EngineConfig) -> FakeEngine:
-        return FakeEngine(config)
+    server = _serve(tools, api_key=KEY)
+    yield server
+    server.__exit__()
 
-    args = ServerArgs(engine=EngineConfig(), api_key=KEY, max_body_bytes=LIMIT)
-    with tools.ThreadServer(create_app(args, engine_factory=factory)) as server:
-        assert tools.wait_until(lambda: httpx.get(server.base_url + "/health").status_code == 200)
-        yield server
+
+@pytest.fixture
+def fleet_srv(tools: SimpleNamespace) -> Iterator[Any]:
+    server = _serve(tools, api_key=KEY, admin_key=ADMIN_KEY)
+    yield server
+    server.__exit__()
 
 
 def _call(srv: Any, method: str, path: str, body: Any, auth: str | None) -> httpx.Response:
@@ -102,6 +121,10 @@ def test_scheme_is_case_insensitive_and_padding_tolerated(srv: Any, auth: str) -
         ("PUT", "/v1/chat/completions"): 405,
         ("GET", "/v1"): 404,
         ("GET", "/v1/no-such-route"): 404,
+        ("GET", "/metrics"): 200,
+        ("GET", "/server_info"): 200,
+        ("GET", "/model_info"): 200,
+        ("GET", "/v1/loads"): 200,
     }
     for method, path, body in PROTECTED:
         resp = _call(srv, method, path, body, auth)
@@ -110,7 +133,36 @@ def test_scheme_is_case_insensitive_and_padding_tolerated(srv: Any, auth: str) -
 
 def test_open_routes_need_no_key(srv: Any) -> None:
     assert httpx.get(srv.base_url + "/health").status_code == 200
-    assert httpx.get(srv.base_url + "/metrics").status_code == 200
+
+
+def test_metrics_public_opens_only_metrics(tools: SimpleNamespace) -> None:
+    server = _serve(tools, api_key=KEY, metrics_public=True)
+    try:
+        assert httpx.get(server.base_url + "/metrics").status_code == 200
+        assert _is_401(httpx.get(server.base_url + "/v1/models"))
+        assert _is_401(httpx.post(server.base_url + "/flush_cache"))
+    finally:
+        server.__exit__()
+
+
+def test_admin_routes_refuse_the_client_key(fleet_srv: Any) -> None:
+    """With an admin key (the fleet's router/replica credential), a client key opens the
+    serving routes and /metrics only."""
+    client, admin = f"Bearer {KEY}", f"Bearer {ADMIN_KEY}"
+    for method, path in ADMIN_ROUTES:
+        assert _is_401(_call(fleet_srv, method, path, None, client)), path
+        assert _call(fleet_srv, method, path, None, admin).status_code == 200, path
+    assert _is_401(_call(fleet_srv, "GET", "/v1/loads", None, client))
+    assert _call(fleet_srv, "GET", "/v1/loads", None, admin).status_code == 200
+    # the admin key opens the serving routes too (the router's own probes use it)
+    for auth in (client, admin):
+        assert _call(fleet_srv, "GET", "/v1/models", None, auth).status_code == 200
+        resp = _call(fleet_srv, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}, auth)
+        assert resp.status_code == 200, resp.text
+        assert _call(fleet_srv, "GET", "/metrics", None, auth).status_code == 200
+        assert "device" in _call(fleet_srv, "GET", "/health", None, auth).json()
+    assert _is_401(_call(fleet_srv, "GET", "/metrics", None, None))
+    assert "device" not in _call(fleet_srv, "GET", "/health", None, None).json()
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])

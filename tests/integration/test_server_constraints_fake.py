@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -376,3 +377,88 @@ def test_tool_prompt_and_history_are_written_for_a_template_without_tools(fake: 
     assert "<tools>" in prompt and '"get_weather"' in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tool_response>\n21 C\n</tool_response>" in prompt
+
+
+# ---------------------------------------------------------------- abuse (issue 25 item 1)
+
+
+def test_a_slow_constraint_check_does_not_block_the_server(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grammar engine's parse of a constraint runs off the event loop: while one takes
+    3 s, /health answers at once."""
+    import threading
+    import time
+
+    import server.constraints as constraints
+
+    real = constraints.check_spec
+    started = threading.Event()
+
+    def slow(spec: GrammarSpec) -> None:
+        started.set()
+        time.sleep(3.0)
+        real(spec)
+
+    monkeypatch.setattr(constraints, "check_spec", slow)
+    _, srv = fake
+    body = {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+"}
+    with ThreadPoolExecutor(1) as pool:
+        slow_reply = pool.submit(post, srv, "/v1/completions", body)
+        assert started.wait(10)
+        t0 = time.perf_counter()
+        health = httpx.get(srv.base_url + "/health", timeout=10)
+        took = time.perf_counter() - t0
+        assert slow_reply.result(timeout=30).status_code == 200
+    assert health.status_code == 200
+    assert took < 1.0, f"/health took {took:.2f} s behind a constraint check"
+
+
+DEEP = '{"type":"array","items":' * 950 + '{"type":"integer"}' + "}" * 950  # 35 KB
+
+
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("/v1/completions", '{"prompt": "x", "guided_json": %s}', "guided_json"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "response_format": '
+            '{"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}',
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+            '"function": {"name": "f", "parameters": {"type": "object", "properties": '
+            '{"a": %s}}}}]}',
+            "tools.0.function.parameters",
+        ),
+    ],
+    ids=["guided_json", "response_format", "tools"],
+)
+def test_deeply_nested_schemas_are_refused_at_once(
+    fake: Fake, route: str, body: str, param: str
+) -> None:
+    """950 nested arrays (35 KB) froze a server for 38 s (issue 25 item 1): now a 400."""
+    engine, srv = fake
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = (body % DEEP).encode()
+    resp = httpx.post(srv.base_url + route, content=content, headers=headers, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    assert "nested more than 64 levels" in resp.json()["error"]["message"]
+    assert engine.calls == []
+
+
+def test_constrained_choices_are_bounded(fake: Fake) -> None:
+    """Issue 25 item 2: every copy of a constrained request runs its own matcher."""
+    engine, srv = fake
+    body = {"prompt": ["x", "y", "z"], "n": 3, "max_tokens": 2, "guided_regex": "[a-z]+"}
+    resp = post(srv, "/v1/completions", body)  # 9 choices
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "n"
+    assert "--max-grammar-choices" in resp.json()["error"]["message"]
+    assert engine.calls == []
+    assert post(srv, "/v1/completions", {**body, "prompt": ["x", "y"], "n": 4}).status_code == 200
+    assert post(srv, "/v1/completions", {**body, "guided_regex": None}).status_code == 200

@@ -166,6 +166,9 @@ def test_access_log_urls_are_redacted() -> None:
     assert redact_url("/x?X-Api-Key=a&token=b&page=2") == "/x?X-Api-Key=***&token=***&page=2"
     assert redact_url("http://user:pw@host/p") == "http://***@host/p"
     assert redact_url("/v1/completions") == "/v1/completions"
+    # issue 25 item 11: ?bearer= was logged in clear
+    assert redact_url("/v1/models?bearer=sk-9&n=1") == "/v1/models?bearer=***&n=1"
+    assert redact_url("/metrics?Bearer_Token=sk-9") == "/metrics?Bearer_Token=***"
     record = logging.LogRecord(
         "uvicorn.access",
         logging.INFO,

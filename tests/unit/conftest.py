@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.unit.fake_backends import FakeStreamBackend, install_fake_streams
+
+# CPU CI has no GPU: Triton kernels (engine/layers/triton_ops/) run under Triton's
+# interpreter. Set before any kernel module is imported (triton.jit reads it then).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

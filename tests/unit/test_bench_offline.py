@@ -33,7 +33,7 @@ def test_weight_bytes_per_token_counts_every_weight_a_decode_step_reads(
 
 
 def test_bandwidths_are_plausible_rates() -> None:
-    from bench.bandwidth import copy_bandwidth, read_bandwidth
+    from bench.micro.bandwidth import copy_bandwidth, read_bandwidth
 
     for rate in (copy_bandwidth(megabytes=8, repeats=3), read_bandwidth(megabytes=8, repeats=3)):
         assert 1e8 < rate.best < 1e13  # bytes/s: between 100 MB/s and 10 TB/s
@@ -68,7 +68,7 @@ def test_bench_prints_both_floors_and_the_goals(
 def test_fused_kernel_bench_runs_on_a_model(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench import fused_kernels
+    from bench.micro import fused_kernels
 
     fused_kernels.main(["--model", str(tiny_llama_dir), "--tokens", "1", "3"])
     lines = capsys.readouterr().out.splitlines()
@@ -80,7 +80,7 @@ def test_fused_kernel_bench_runs_on_a_model(
 def test_gemv_bench_runs_on_a_model(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench import gemv
+    from bench.micro import gemv
 
     argv = ["--tokens", "1", "3", "--rounds", "1", "--working-set-mib", "1"]
     gemv.main(["--model", str(tiny_llama_dir), *argv])

@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.distributed import (
+from engine.platform import DeviceSpec
+from engine.tp.collectives import (
     COLLECTIVE_BACKENDS,
     check_collective_backend,
     collective_backend,
     init_process_group,
     rank_devices,
 )
-from engine.platform import DeviceSpec
 
 
 @pytest.mark.parametrize(

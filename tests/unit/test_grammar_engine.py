@@ -174,3 +174,27 @@ def test_json_request_inside_mixed_steps(engine: Engine) -> None:
         jsonschema.validate(json.loads(done["json"].text), SCHEMA)
     finally:
         log.restore()
+
+
+AMBIGUOUS = "root ::= x\nx ::= [a-z]* | x x | x x x"  # issue 25 item 2
+
+
+def test_an_ambiguous_grammar_ends_at_the_step_budget_and_others_go_on(engine: Engine) -> None:
+    """The grammar's per-token work grows without bound (over 0.5 s by the 8th token on
+    this vocabulary): the request ends with a clear error once a step passes the budget,
+    the free request beside it finishes normally."""
+    spec = GrammarSpec.ebnf(AMBIGUOUS, "guided_grammar")
+    attack = engine.add_request(PROMPT, SamplingParams(max_tokens=64, seed=1, grammar=spec))
+    free = engine.add_request(PROMPT, SamplingParams(max_tokens=24, temperature=0))
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    error = finals[attack].error
+    assert finals[attack].finish_reason == "abort"
+    assert isinstance(error, GrammarError) and error.param == "guided_grammar"
+    assert "--grammar-step-budget-ms" in str(error)
+    assert len(finals[attack].token_ids) < 64
+    assert finals[free].finish_reason == "length" and finals[free].error is None
+    assert len(finals[free].token_ids) == 24

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import string
+import time
 from typing import Any
 
 import jsonschema
@@ -230,3 +231,39 @@ def test_compile_failure_and_timeout_end_the_request(backend: GrammarBackend) ->
     assert slow.poll(slow.deadline - 1.0) is None
     late = slow.poll(slow.deadline + 0.1)
     assert isinstance(late, GrammarError) and "did not compile within 60 s" in str(late)
+
+
+class _SlowMatcher:
+    """A matcher whose mask fill takes ``fill_s`` (an ambiguous grammar's late steps)."""
+
+    def __init__(self, fill_s: float) -> None:
+        self.fill_s = fill_s
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        time.sleep(self.fill_s)
+        return True
+
+    def accept_token(self, token_id: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_a_step_over_the_budget_is_an_error_naming_the_field(backend: GrammarBackend) -> None:
+    reqs = [make_req(backend, GrammarSpec.regex("[a-z]+", "guided_regex"), s) for s in (1, 2)]
+    for req, fill_s in zip(reqs, (0.0, 0.08)):
+        assert req.grammar is not None
+        req.grammar.matcher = _SlowMatcher(fill_s)
+        req.grammar.step_budget_s = 0.05
+    TokenMasker(MODEL_VOCAB, CPU).fill(reqs)
+    fast, slow = (r.grammar for r in reqs)
+    assert fast is not None and slow is not None
+    assert fast.accept(5) and slow.accept(5)
+    assert fast.over_budget() is None
+    error = slow.over_budget()
+    assert isinstance(error, GrammarError) and error.param == "guided_regex"
+    assert "above the 50 ms budget" in str(error)

@@ -21,6 +21,7 @@ from engine.graph_runner import (
     build_decode_graphs,
     graph_blockers,
 )
+from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from server.args import parse_args
@@ -152,15 +153,19 @@ def test_graph_blockers() -> None:
     windowed = graph_blockers(LlamaForCausalLM(MistralConfig(**TINY, sliding_window=6)))
     assert windowed == ["attention backend 'torch_windowed' sizes its work per sequence"]
     moe = MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2))
-    assert graph_blockers(moe) == [
-        "mixture-of-experts routing reads the chosen experts on the host"
+    assert graph_blockers(moe, max_batch=DEVICE_ROUTING_MAX_TOKENS) == []  # routed on device
+    assert graph_blockers(moe, max_batch=DEVICE_ROUTING_MAX_TOKENS + 1) == [
+        "mixture-of-experts routing reads the chosen experts on the host past "
+        f"{DEVICE_ROUTING_MAX_TOKENS} tokens (--cuda-graph-max-bs to stay under it)"
     ]
 
 
 def test_when_the_engine_uses_graphs(
     tiny_llama_dir: Path, fake_musa: FakeStreamBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = engine_for(tiny_llama_dir)
+    # The gather fallback: graphs built, captured lazily (start-up capture is in
+    # test_graph_startup.py).
+    engine = engine_for(tiny_llama_dir, attention_backend="torch")
     assert engine.runner.graphs is None and engine.health()["device_graphs"] is False
 
     FakeGraphBackend(fake_musa)

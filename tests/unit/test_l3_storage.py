@@ -272,7 +272,7 @@ def test_a_failed_write_is_not_acknowledged_and_leaves_nothing(
 ) -> None:
     store = attach(FileStore(tmp_path), HostPages(1))
 
-    def disk_full(*_: object) -> None:
+    def disk_full(*_: object, **__: object) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("engine.kvcache.storage.file_store.os.replace", disk_full)
@@ -284,7 +284,7 @@ def test_a_failed_write_is_not_acknowledged_and_leaves_nothing(
 
 def test_the_size_limit_evicts_least_recently_used_pages(tmp_path: Path) -> None:
     pool = HostPages(6)
-    page_file = pool.page_nbytes + 18  # payload + header
+    page_file = pool.page_nbytes + 15 + 32  # payload + header + tag
     store = attach(FileStore(tmp_path, max_bytes=4 * page_file), pool)
     keys = keys_for(list(range(24)))
     assert all(store.put_from(keys[:4], [0, 1, 2, 3]))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import engine.engine as engine_module
+import engine.build as engine_module
 from engine import Engine, SamplingParams
 from engine.graph_runner import DecodeGraphRunner
 from server.args import parse_args

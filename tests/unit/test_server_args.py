@@ -202,3 +202,22 @@ def test_uvicorn_gets_the_grace_period() -> None:
     config = uvicorn_config(object(), args)
     assert config.timeout_graceful_shutdown == 3  # whole seconds, never shorter
     assert (config.port, config.log_level, config.lifespan) == (1234, "error", "on")
+
+
+def test_allowed_hosts_default_to_loopback_names_without_a_key() -> None:
+    """Issue 25 item 11: a keyless server used to answer any Host (DNS rebinding)."""
+    assert parse_args([], environ={}).allowed_hosts == ("localhost", "127.0.0.1", "[::1]")
+    for argv in (["--api-key", "k"], ["--admin-key", "a"]):
+        assert parse_args(argv, environ={}).allowed_hosts == ()  # any, as before
+    given = parse_args(["--allowed-hosts", "api.example, *"], environ={})
+    assert given.allowed_hosts == ("api.example", "*")
+    from_env = parse_args([], environ={"HISERVE_ALLOWED_HOSTS": "svc"})
+    assert from_env.allowed_hosts == ("svc",)
+
+
+def test_admin_key_and_metrics_public_flags() -> None:
+    args = parse_args(["--metrics-public"], environ={"HISERVE_ADMIN_KEY": "zq9-secret"})
+    assert (args.admin_key, args.metrics_public, args.api_key) == ("zq9-secret", True, None)
+    assert args.summary()["admin_key"] == "set" and "zq9-secret" not in str(args.summary())
+    with pytest.raises(SystemExit):
+        parse_args(["--api-key", "same", "--admin-key", "same"], environ={})

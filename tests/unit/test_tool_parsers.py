@@ -89,3 +89,37 @@ def test_auto_choice_follows_the_template() -> None:
     assert isinstance(choose_parser("auto", "{% if tools %}<tool_call>{% endif %}"), HermesParser)
     assert isinstance(choose_parser("llama3_json", None), Llama3JsonParser)
     assert isinstance(choose_parser("qwen", None), HermesParser)
+
+
+DEEP = 5000  # past json's recursion limit (about 1,400 levels here)
+
+
+def _deep_object(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (HermesParser(), f'<tool_call>{{"name": "get_time", "arguments": {_deep_object(DEEP)}}}'),
+        (HermesParser(), '<tool_call>{"name": "get_time", "arguments": "' + "[" * DEEP + '"}'),
+        (Llama3JsonParser(), f'{{"name": "get_time", "parameters": {_deep_object(DEEP)}}}'),
+    ],
+    ids=["hermes", "hermes-string-arguments", "llama3_json"],
+)
+def test_too_deeply_nested_calls_are_plain_text(parser: ToolCallParser, text: str) -> None:
+    """A forced, deeply nested call is no call (the text is the content), never an
+    uncaught RecursionError (a 500, issue 25 item 13)."""
+    result = parser.parse(text, ["get_time"])
+    assert result.calls == []
+    assert result.content == text
+    outcome = finish_tools(AUTO, parser, text, "stop")
+    assert (outcome.calls, outcome.content, outcome.finish_reason) == ([], text, "stop")
+
+
+def test_too_deeply_nested_required_and_named_calls_stay_text() -> None:
+    deep = "[" * DEEP + "]" * DEEP
+    required = finish_tools(ToolPlan(TOOLS, "required"), HermesParser(), deep, "stop")
+    assert (required.calls, required.content) == ([], deep)
+    named = finish_tools(ToolPlan(TOOLS, "named", "get_time"), HermesParser(), deep, "stop")
+    assert named.calls[0].arguments == deep  # the raw text, as for any unparsable arguments

@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.tp_runtime import TPRankDiedError, device_ids, rank_ready_key, wait_for_ranks
+from engine.tp.protocol import TPRankDiedError, rank_ready_key
+from engine.tp.runtime import device_ids, wait_for_ranks
 from server.args import parse_args
 
 

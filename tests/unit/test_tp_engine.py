@@ -20,7 +20,7 @@ import transformers
 from transformers import Qwen3MoeConfig
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.tp_runtime import TPRankDiedError
+from engine.tp.protocol import TPRankDiedError
 from tests.conftest import TOKENIZER_FILES
 from tests.unit.hf_reference import hf_greedy, randomize
 

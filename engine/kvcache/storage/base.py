@@ -21,6 +21,11 @@ import torch
 PagePieces = Callable[[int], list[torch.Tensor]]
 
 
+def byte_view(piece: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy."""
+    return memoryview(piece.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
 @dataclass
 class StoreStats:
     """What a store did since it was opened (pages and bytes, both directions)."""
@@ -32,6 +37,9 @@ class StoreStats:
     write_failures: int = 0
     read_failures: int = 0
     pages_evicted: int = 0
+    pages_rejected: int = 0  # failed authentication (swapped, forged, cut short): a miss
+    writes_refused: int = 0  # not written: the store's budget or the volume is full
+    used_bytes: int = 0  # bytes the store holds, where it can tell (every writer's)
 
 
 class KVStore(ABC):

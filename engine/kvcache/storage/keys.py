@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +21,8 @@ from pathlib import Path
 SCHEMA_VERSION = 1
 # Files whose bytes define a model directory: its config and its weights.
 _IDENTITY_GLOBS = ("config.json", "*.safetensors", "*.gguf", "*.bin")
+_MAX_CACHED_DIGESTS = 4096
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,28 +44,65 @@ class KVNamespace:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def model_digest(model_dir: Path, chunk_bytes: int = 1 << 20) -> str:
-    """A digest of a model directory's config and weight files (names, sizes, contents).
+def model_digest(model_dir: Path, cache_file: Path | None = None) -> str:
+    """A digest of a model directory's config and weight files: names, sizes, every byte.
 
-    Two directories with the same served name but other weights get other digests.
-    Weights are hashed by their first and last ``chunk_bytes`` plus their size, which
-    tells apart any two real checkpoints without reading gigabytes at every start.
+    Two checkpoints that differ in any one byte get different digests, so they never
+    share L3 pages. Hashing reads the whole checkpoint once; the digest of each file is
+    then kept in ``cache_file`` (JSON) under its device, inode, size and change times,
+    so a restart over unchanged files reads nothing (ctime cannot be set back by a user,
+    so weights rewritten in place and ``touch``-ed to their old mtime are hashed again).
     """
-    digest = hashlib.sha256()
     files = sorted({p for pattern in _IDENTITY_GLOBS for p in model_dir.glob(pattern)})
     if not files:
         raise ValueError(f"{model_dir} has no config or weight files to identify the model")
+    cached = _load_digests(cache_file)
+    fresh: dict[str, str] = {}
+    digest = hashlib.sha256()
     for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.name}\0{size}\0".encode())
-        with path.open("rb") as handle:
-            digest.update(handle.read(chunk_bytes))
-            if size > 2 * chunk_bytes:
-                handle.seek(size - chunk_bytes)
-                digest.update(handle.read(chunk_bytes))
-            elif size > chunk_bytes:
-                digest.update(handle.read())
+        info = path.stat()
+        stamp = f"{info.st_dev}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}:{info.st_ctime_ns}"
+        entry = f"{path.resolve()}|{stamp}"
+        file_digest = cached.get(entry) or _file_digest(path)
+        fresh[entry] = file_digest
+        digest.update(f"{path.name}\0{info.st_size}\0{file_digest}\0".encode())
+    if cache_file is not None and any(cached.get(k) != v for k, v in fresh.items()):
+        _save_digests(cache_file, {**cached, **fresh})
     return digest.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_digests(cache_file: Path | None) -> dict[str, str]:
+    if cache_file is None:
+        return {}
+    try:
+        loaded = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    return {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _save_digests(cache_file: Path, digests: dict[str, str]) -> None:
+    """Best effort: a cache that cannot be written costs a rehash at the next start."""
+    if len(digests) > _MAX_CACHED_DIGESTS:  # drop the oldest entries (insertion order)
+        digests = dict(list(digests.items())[-_MAX_CACHED_DIGESTS:])
+    tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+    try:
+        cache_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(digests))
+        os.replace(tmp, cache_file)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        logger.info("cannot keep checkpoint digests in %s (%s)", cache_file, exc)
 
 
 def page_keys(

@@ -6,9 +6,12 @@ live in a holder process (``mooncake_client``) or in other replicas and outlive 
 engine's restarts. The host pool is registered once; pages move with
 ``batch_put_from`` / ``batch_get_into`` straight between host memory and the store.
 
-A page is one object per piece (K and V for ``page_first``), named ``<key>_<i>``; it
-counts as stored only when every piece is. Reads take a lease in Mooncake, so removal
-uses ``force``.
+A page is one object per piece (K and V for ``page_first``), named ``<key>_<i>``, and a
+tag object ``<key>_t``: an HMAC over the key and every piece (``page_seal``), written
+last. A page counts as stored only when every piece and its tag are; a page whose tag
+does not match what was read (swapped, forged, written without the fleet secret) is a
+miss, counted in ``pages_rejected``. Reads take a lease in Mooncake, so removal uses
+``force``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,15 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.kvcache.storage.base import KVStore
+from engine.kvcache.storage.base import KVStore, byte_view
+from engine.kvcache.storage.page_seal import PageSeal
 
 logger = logging.getLogger(__name__)
+
+# Without a fleet secret pages are still bound to their key (a swap or a torn page is a
+# miss), but anyone who reads this source can forge a tag: see docs/cache-security.md.
+PUBLIC_SECRET = b"hiserve-l3-no-fleet-secret-given"
+_TAG_HEADER = b"mooncake-page-v1"
 
 
 @dataclass(frozen=True)
@@ -40,8 +49,22 @@ class MooncakeStore(KVStore):
 
     name = "mooncake"
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(
+        self, config: MooncakeConfig, secret: bytes | None = None, encrypt: bool = False
+    ) -> None:
         super().__init__()
+        if encrypt:
+            raise ValueError(
+                "--hicache-storage-encrypt is for the file backend (pages at rest on disk); "
+                "Mooncake keeps pages in memory: drop it or use the file backend"
+            )
+        if secret is None:
+            logger.warning(
+                "L3 mooncake store: no fleet secret (HISERVE_HICACHE_STORAGE_SECRET or "
+                "--hicache-storage-secret-file); pages are checked against their key but "
+                "anyone who can write to the store can forge them"
+            )
+        self.seal = PageSeal(secret or PUBLIC_SECRET)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
@@ -68,7 +91,7 @@ class MooncakeStore(KVStore):
                 "check that mooncake_master runs there and the metadata server answers"
             )
         self._registered: list[int] = []
-        self._warned = False
+        self._warned: set[str] = set()
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """Register host memory (the whole host pool) for zero-copy transfers."""
@@ -80,17 +103,20 @@ class MooncakeStore(KVStore):
     def _piece_keys(self, key: str, count: int) -> list[str]:
         return [f"{key}_{i}" for i in range(count)]
 
+    def _tag(self, key: str, host_page: int) -> bytes:
+        return self.seal.tag(key, _TAG_HEADER, [byte_view(p) for p in self.pieces(host_page)])
+
     def _fail(self, what: str, detail: object) -> None:
-        if not self._warned:
-            self._warned = True
+        if what not in self._warned:
+            self._warned.add(what)
             logger.warning("L3 mooncake store: %s failed (%s); treating it as a miss", what, detail)
 
     def _stored(self, keys: Sequence[str]) -> list[bool]:
         """Per page: whether every piece of it is in the store (all False if it is down)."""
         if not keys:
             return []
-        count = len(self.pieces(0))
-        flat = [k for key in keys for k in self._piece_keys(key, count)]
+        count = len(self.pieces(0)) + 1  # the pieces and the tag
+        flat = [k for key in keys for k in [*self._piece_keys(key, count - 1), f"{key}_t"]]
         try:
             found = self._store.batch_is_exist(flat)
         except Exception as exc:  # the store down is a miss
@@ -131,8 +157,45 @@ class MooncakeStore(KVStore):
             start += count
         return done
 
+    def _tags_match(self, keys: Sequence[str], host_pages: Sequence[int], done: list[bool]) -> None:
+        """Clear ``done[i]`` where page i's stored tag does not match the bytes read."""
+        wanted = [i for i, ok in enumerate(done) if ok]
+        if not wanted:
+            return
+        try:
+            tags = self._store.get_batch([f"{keys[i]}_t" for i in wanted])
+        except Exception as exc:
+            self._fail("read", exc)
+            tags = [b""] * len(wanted)
+        for i, tag in zip(wanted, tags):
+            if not self.seal.check(
+                bytes(tag), keys[i], _TAG_HEADER, [byte_view(p) for p in self.pieces(host_pages[i])]
+            ):
+                done[i] = False
+                self.stats.pages_rejected += 1
+                self._fail("authentication", f"page {keys[i][:12]}... does not match its tag")
+
+    def _put_tags(self, keys: Sequence[str], host_pages: Sequence[int], done: list[bool]) -> None:
+        """Write the tags of the pages whose pieces landed (last: a page is visible as
+        stored only once its tag is); clears ``done`` where that failed."""
+        wanted = [i for i, ok in enumerate(done) if ok]
+        if not wanted:
+            return
+        try:
+            rc = self._store.put_batch(
+                [f"{keys[i]}_t" for i in wanted],
+                [self._tag(keys[i], host_pages[i]) for i in wanted],
+            )
+        except Exception as exc:
+            self._fail("write", exc)
+            rc = -1
+        if rc != 0:
+            for i in wanted:
+                done[i] = False
+
     def get_into(self, keys: Sequence[str], host_pages: Sequence[int]) -> list[bool]:
         done = self._transfer(keys, host_pages, write=False)
+        self._tags_match(keys, host_pages, done)
         self.stats.pages_read += sum(done)
         self.stats.bytes_read += sum(done) * self.page_nbytes
         self.stats.read_failures += len(done) - sum(done)
@@ -142,7 +205,9 @@ class MooncakeStore(KVStore):
         # Content-addressed keys: a page someone already stored is not sent again.
         stored = self._stored(keys)
         missing = [i for i, there in enumerate(stored) if not there]
-        sent = self._transfer([keys[i] for i in missing], [host_pages[i] for i in missing], True)
+        missing_keys, missing_pages = [keys[i] for i in missing], [host_pages[i] for i in missing]
+        sent = self._transfer(missing_keys, missing_pages, True)
+        self._put_tags(missing_keys, missing_pages, sent)
         done = list(stored)
         for i, ok in zip(missing, sent):
             done[i] = ok

@@ -33,10 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.kvcache.host_pool import HostKVPool
-from engine.kvcache.radix_cache import TreeNode
 from engine.kvcache.storage.base import KVStore
 from engine.kvcache.storage.keys import page_keys
 from engine.kvcache.storage.prefetch import Prefetch
+from engine.kvcache.tree_node import TreeNode
 
 logger = logging.getLogger("hiserve.hicache")
 
@@ -370,4 +370,9 @@ class StorageTier:
         stats["storage_write_queue_pages"] = sum(self._busy.values())
         # Writes the writer has not finished (the engine thread may not have seen the acks).
         stats["storage_writes_pending"] = self._writes.unfinished_tasks
+        store = self.store.stats  # NOTE: ints the store's threads bump; read without a lock
+        stats["storage_pages_rejected_total"] = store.pages_rejected
+        stats["storage_pages_evicted_total"] = store.pages_evicted
+        stats["storage_writes_refused_total"] = store.writes_refused
+        stats["storage_used_bytes"] = store.used_bytes
         return stats

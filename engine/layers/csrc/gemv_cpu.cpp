@@ -9,7 +9,7 @@
 // per output element, after the K loop. Software prefetch (64-512 floats ahead in each
 // row) was tried and measured no better than the hardware prefetcher, so there is none.
 //
-// Measured against oneDNN's packed GEMM streaming from DRAM (bench/gemv.py): faster at
+// Measured against oneDNN's packed GEMM streaming from DRAM (bench/micro/gemv.py): faster at
 // M = 1 and 2, slower from M = 3 on (oneDNN's packed layout is one sequential stream,
 // which keeps more reads in flight once the FMAs per byte grow); the Python side picks
 // the threshold. The kernel itself takes M up to kMaxTokens.

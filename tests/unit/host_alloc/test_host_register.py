@@ -115,6 +115,7 @@ def test_dropped_registered_buffer_is_unregistered_by_its_finalizer(
 def test_clear_last_error_without_a_getter_or_library_warns(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(host_alloc, "_loaded_runtime", lambda prefix: None)
     api = host_alloc._RegisterApi(object(), "x", "y", "musaGetLastError")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         host_alloc.clear_last_error(api)
@@ -132,7 +133,7 @@ def test_cuda_error_without_a_getter_is_cleared_by_a_launch_check(
         launched.append(kwargs["device"])
         raise RuntimeError("CUDA error: part or all of the range is already mapped")
 
-    monkeypatch.setattr(host_alloc, "_loaded_cudart", lambda: None)
+    monkeypatch.setattr(host_alloc, "_loaded_runtime", lambda prefix: None)
     monkeypatch.setattr(torch, "ones", ones)
     api = host_alloc._RegisterApi(object(), "x", "y", "cudaGetLastError")
     with caplog.at_level(logging.WARNING, logger=LOGGER):

@@ -1,21 +1,10 @@
-"""What rank 0 tells the other tensor-parallel ranks each step, and how they replay it.
-
-Only rank 0 has a scheduler, an allocator and a prefix tree. Every other rank holds the
-same KV geometry (same slot ids, same request-table rows, same host-tier slots) for its
-own KV heads, and changes its KV exactly when rank 0 changes its own:
-
-- request-table writes (``ReqTable.journal``),
-- host-tier copies, device -> host backups and host -> device loads (``MirroredKVTransfer``),
-- the forward of each batch (``StepInputs``).
-
-NOTE: a step's message carries the writes and copies made since the previous one, in
-order, and a rank applies them before that step's forward: the same order against the
-forwards as on rank 0. Slot frees need no message (they move no bytes).
+"""How the other tensor-parallel ranks keep their KV equal to rank 0's: rank 0's tree copies
+through ``MirroredKVTransfer`` (which records each copy), and each worker replays the
+records of a step into its ``RankKV`` before that step's forward (see protocol.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,38 +14,7 @@ from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.kvcache.transfer import KVTransfer, TransferHandle
-from engine.model_runner import StepInputs
-
-
-@dataclass
-class KVCopy:
-    """One host-tier copy rank 0 issued: ``backup`` (device -> host) or ``load``."""
-
-    direction: str
-    device_slots: torch.Tensor  # [N] int64, CPU
-    host_slots: torch.Tensor  # [N] int64, CPU
-
-
-@dataclass
-class StepMessage:
-    """Everything a rank does for one step; ``inputs`` None means: stop."""
-
-    inputs: StepInputs | None
-    table_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
-    kv_copies: list[KVCopy] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """Rank 0's KV sizes, which every rank copies so that slot ids mean the same."""
-
-    num_slots: int
-    max_rows: int
-    max_context: int
-    page_size: int
-    host_tokens: int = 0  # 0: no host tier
-    host_layout: str = "layer_first"
-    host_alloc: str = "auto"
+from engine.tp.protocol import KVCopy, KVGeometry, StepMessage
 
 
 def _cpu(slots: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Bandwidth of HiCache device <-> host KV copies against a plain contiguous copy.
 
-    python -m bench.host_copy [--device auto] [--layout both] [--tokens N ...]
+    python -m bench.micro.host_copy [--device auto] [--layout both] [--tokens N ...]
 
 For each transfer size it times ``HostKVPool.backup`` (device -> host, all layers) and
 ``HostKVPool.load`` (host -> device) of scattered device pages. The limit is the

@@ -1,7 +1,7 @@
 """A tensor-parallel worker process (ranks 1..N-1): load this rank's shard, mirror rank 0's
 KV, and run the forward of every step rank 0 sends until it says stop.
 
-Started by engine/tp_runtime.py with the ``spawn`` method. Any error ends the process
+Started by engine/tp/runtime.py with the ``spawn`` method. Any error ends the process
 with a non-zero status after logging it; rank 0's monitor then takes the server down.
 """
 
@@ -14,17 +14,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine import distributed, dtypes, loader, platform
+from engine import dtypes, loader, platform
 from engine.layers.parallel_linear import TPShard
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from engine.tp_mirror import KVGeometry, RankKV, StepMessage
-from engine.tp_runtime import (
+from engine.tp import collectives
+from engine.tp.mirror import RankKV
+from engine.tp.protocol import (
     COLLECTIVE_TIMEOUT_S,
+    KVGeometry,
+    StepMessage,
     WorkerSpec,
     agreed_kv_config,
     new_control_group,
     rank_ready_key,
+    receive,
 )
 
 logger = logging.getLogger("hiserve.tp")
@@ -43,12 +47,6 @@ def worker_main(spec: WorkerSpec) -> None:
         sys.exit(1)
 
 
-def _receive(control: Any) -> Any:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
-
-
 def serve_rank(spec: WorkerSpec) -> None:
     """Join the group, load the shard, size the KV with rank 0, then follow its steps."""
     config = spec.config
@@ -61,7 +59,7 @@ def serve_rank(spec: WorkerSpec) -> None:
     torch.manual_seed(config.seed)
     store = dist.FileStore(spec.store_path, spec.size)
     store.set(rank_ready_key(spec.rank), "1")
-    distributed.init_process_group(
+    collectives.init_process_group(
         device_spec, spec.rank, spec.size, timeout_s=COLLECTIVE_TIMEOUT_S, store=store
     )
     control = new_control_group()
@@ -73,7 +71,7 @@ def serve_rank(spec: WorkerSpec) -> None:
         tp=TPShard(spec.rank, spec.size),
     )
     agreed_kv_config(config, model.config, device_spec, dtype, control)
-    geometry: KVGeometry = _receive(control)
+    geometry: KVGeometry = receive(control)
     kv = RankKV(geometry, model.config, dtype, device, device_spec)
     runner = ModelRunner(
         model,
@@ -87,7 +85,7 @@ def serve_rank(spec: WorkerSpec) -> None:
     try:
         with torch.inference_mode():
             while True:
-                message: StepMessage = _receive(control)
+                message: StepMessage = receive(control)
                 loads = kv.apply(message)
                 if message.inputs is None:
                     break

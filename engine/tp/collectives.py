@@ -4,7 +4,7 @@ devices the ranks get, and starting the group.
 NOTE: the backend is chosen by the bare device type, never the raw string (``musa:0``
 uses the ``musa`` entry), the same rule as host allocation in engine/platform.py.
 The sharded layers are in engine/layers/parallel_linear.py and engine/models/tp_shard.py,
-the rank processes in engine/tp_runtime.py (rank 0) and engine/tp_worker.py.
+the rank processes in engine/tp/runtime.py (rank 0) and engine/tp/worker.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The native GEMV kernel against oneDNN's packed GEMM and ``F.linear``, per layer shape.
 
-    python -m bench.gemv [--model default] [--tokens 1 2 4 8] [--rounds 7] [--threads N]
+    python -m bench.micro.gemv [--model default] [--tokens 1 2 4 8] [--rounds 7] [--threads N]
                          [--working-set-mib 256]
 
 For each linear shape of the model (q/k/v, o, gate/up, down, the LM head) and each token
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from bench.bandwidth import read_bandwidth
+from bench.micro.bandwidth import read_bandwidth
 from engine.layers import gemv_cpu
 from engine.layers.linear import _PACK_BATCH_HINT
 from engine.loader import load_hf_config, resolve_model_path

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, by op, at a few batch sizes (CPU, the engine's model).
 
-    python -m bench.layer_profile [--model default] [--running 1 8 32] [--steps 10]
+    python -m bench.micro.layer_profile [--model default] [--running 1 8 32] [--steps 10]
                                   [--top 25] [--threads N]
 
 For each number of running requests (contexts of 20-200 tokens), it prefills them, runs a

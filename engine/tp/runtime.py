@@ -2,7 +2,7 @@
 KV sizes, send every step to the workers, and notice when one of them dies.
 
 Rank 0 is the engine in the server process: it schedules, samples and owns the prefix
-tree; workers (engine/tp_worker.py) run the same forward on their shard of the weights.
+tree; workers (engine/tp/worker.py) run the same forward on their shard of the weights.
 Two process groups: the device backend's (nccl, mccl, ... ; gloo on CPU) for the
 all-reduces inside the forward, and a gloo group for the step messages.
 
@@ -13,7 +13,6 @@ dead gloo peer raises at once, so rank 0 never hangs waiting for it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -22,46 +21,38 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from engine import distributed, platform
+from engine import platform
 from engine.config import EngineConfig
-from engine.kv_setup import KVSetup, kv_pool_tokens
+from engine.kv_setup import KVSetup
 from engine.kvcache.device_pool import DeviceKVPool
+from engine.kvcache.host_pool import HostKVPool
+from engine.kvcache.req_table import TableJournal
 from engine.layers.parallel_linear import TPShard
-from engine.model_runner import ModelRunner, StepInputs
-from engine.tp_mirror import KVCopy, KVGeometry, MirroredKVTransfer, StepMessage
+from engine.model_runner import StepInputs
+from engine.tp import collectives
+from engine.tp.mirror import MirroredKVTransfer
+from engine.tp.protocol import (
+    COLLECTIVE_TIMEOUT_S,
+    KVCopy,
+    KVGeometry,
+    StepMessage,
+    TPRankDiedError,
+    WorkerSpec,
+    agreed_kv_config,
+    broadcast,
+    new_control_group,
+    rank_ready_key,
+)
+from engine.tp.worker import worker_main
 
 logger = logging.getLogger("hiserve.tp")
 
-# A forward's all-reduce waits this long for a slow rank before it fails.
-COLLECTIVE_TIMEOUT_S = 600.0
-# Step messages: an idle server sends none, so workers may wait this long for the next.
-CONTROL_TIMEOUT = timedelta(days=365)
 STOP_JOIN_S = 30.0
-
-
-class TPRankDiedError(RuntimeError):
-    """A tensor-parallel worker process exited; the engine cannot run without it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs to join the group and load its shard."""
-
-    rank: int
-    size: int
-    device: platform.DeviceSpec
-    store_path: str  # the FileStore of the rendezvous
-    config: EngineConfig
-    model_path: str
-    log_level: int
-    num_threads: int  # CPU ranks: torch threads, so ranks do not fight over cores
 
 
 def device_ids(text: str | None) -> list[int] | None:
@@ -74,10 +65,6 @@ def device_ids(text: str | None) -> list[int] | None:
         raise ValueError(
             f"tensor_parallel_devices={text!r} must list device indices, e.g. '0,1'"
         ) from None
-
-
-def rank_ready_key(rank: int) -> str:
-    return f"hiserve/rank{rank}/started"
 
 
 def wait_for_ranks(store: dist.Store, workers: list[Any]) -> None:
@@ -96,32 +83,6 @@ def wait_for_ranks(store: dist.Store, workers: list[Any]) -> None:
         multiprocessing.connection.wait([p.sentinel for p in workers], timeout=0.2)
 
 
-def new_control_group() -> Any:
-    """The gloo group that carries step messages (made by every rank, in the same order)."""
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-
-
-def agreed_kv_config(
-    config: EngineConfig,
-    shard_config: Any,
-    spec: platform.DeviceSpec,
-    dtype: torch.dtype,
-    control: Any,
-) -> EngineConfig:
-    """``config`` with ``kv_cache_tokens`` set to the smallest pool any rank can hold (every
-    rank sizes its own from its free memory; slot ids must mean the same on all)."""
-    per_token = DeviceKVPool.token_bytes(
-        int(shard_config.num_hidden_layers),
-        int(shard_config.num_key_value_heads),
-        int(shard_config.head_dim),
-        dtype,
-    )
-    local = kv_pool_tokens(config, spec, per_token)
-    gathered: list[Any] = [None] * dist.get_world_size(control)
-    dist.all_gather_object(gathered, local, group=control)
-    return dataclasses.replace(config, kv_cache_tokens=min(int(t) for t in gathered))
-
-
 class TPRuntime:
     """Rank 0's side of a tensor-parallel group of ``config.tensor_parallel_size`` ranks."""
 
@@ -129,23 +90,23 @@ class TPRuntime:
         self.size = int(config.tensor_parallel_size)
         visible = platform.backend_module(spec.type)
         count = int(visible.device_count()) if visible is not None else None
-        devices = distributed.rank_devices(
+        devices = collectives.rank_devices(
             spec, self.size, device_ids(config.tensor_parallel_devices), count
         )
-        backend = distributed.check_collective_backend(spec)
+        backend = collectives.check_collective_backend(spec)
         self.failure: BaseException | None = None
         self._callbacks: list[Callable[[BaseException], None]] = []
         self._lock = threading.Lock()
         self._stopping = False
-        self._attached = False  # workers follow steps once attach() ran
-        self._journal: list[KVCopy] = []
-        self._table_journal: list[tuple[int, int, torch.Tensor]] = []
+        self._attached = False  # workers follow steps once share_geometry() ran
+        # Written by rank 0's request table and tree, sent (and cleared) with each step.
+        self.table_journal: TableJournal = []
+        self.kv_journal: list[KVCopy] = []
         self._tmp = tempfile.mkdtemp(prefix="hiserve-tp-")
         store_path = os.path.join(self._tmp, "rendezvous")
         store = dist.FileStore(store_path, self.size)
         threads = max(1, (os.cpu_count() or 1) // self.size)
         context = multiprocessing.get_context("spawn")
-        from engine.tp_worker import worker_main
 
         self.workers = []
         for rank in range(1, self.size):
@@ -176,7 +137,7 @@ class TPRuntime:
         self._monitor.start()
         try:
             wait_for_ranks(store, self.workers)
-            distributed.init_process_group(
+            collectives.init_process_group(
                 devices[0], 0, self.size, timeout_s=COLLECTIVE_TIMEOUT_S, store=store
             )
             self.control = new_control_group()
@@ -191,9 +152,18 @@ class TPRuntime:
     ) -> EngineConfig:
         return agreed_kv_config(config, shard_config, spec, dtype, self.control)
 
-    def attach(self, kv: KVSetup, runner: ModelRunner) -> None:
-        """Share rank 0's KV geometry with the workers; from now on record every table
-        write and host-tier copy, and send each step's forward to the workers."""
+    def make_transfer(
+        self,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        device: platform.DeviceSpec | None,
+    ) -> MirroredKVTransfer:
+        """The host tier's copier for rank 0's tree: it records each copy for the workers."""
+        return MirroredKVTransfer(device_pool, host_pool, device, self.kv_journal)
+
+    def share_geometry(self, kv: KVSetup) -> None:
+        """Send rank 0's KV geometry to the workers; from now on they follow its steps
+        (``send_step``, the runner's ``on_step``)."""
         host = kv.host_pool
         geometry = KVGeometry(
             num_slots=kv.device_pool.num_slots,
@@ -204,12 +174,7 @@ class TPRuntime:
             host_layout=host.layout if host is not None else "layer_first",
             host_alloc=host.method if host is not None else "auto",
         )
-        self._broadcast(geometry)
-        kv.req_table.journal = self._table_journal
-        tree: Any = kv.manager.tree
-        if host is not None:
-            tree.transfer = MirroredKVTransfer(kv.device_pool, host, kv.spec, self._journal)
-        runner.on_step = self.send_step
+        broadcast(geometry, self.control)
         self._attached = True
 
     # ------------------------------------------------------------------ steps
@@ -217,13 +182,10 @@ class TPRuntime:
         """Send the writes and copies since the last step, and ``inputs``, to every worker."""
         if self.failure is not None:
             raise self.failure
-        message = StepMessage(inputs, list(self._table_journal), list(self._journal))
-        self._table_journal.clear()
-        self._journal.clear()
-        self._broadcast(message)
-
-    def _broadcast(self, obj: object) -> None:
-        dist.broadcast_object_list([obj], src=0, group=self.control)
+        message = StepMessage(inputs, list(self.table_journal), list(self.kv_journal))
+        self.table_journal.clear()
+        self.kv_journal.clear()
+        broadcast(message, self.control)
 
     # ------------------------------------------------------------------ failure
     def watch(self, callback: Callable[[BaseException], None]) -> None:

@@ -1,6 +1,6 @@
 """The fused CPU kernels against the PyTorch ops they replace, at a model's decode shapes.
 
-    python -m bench.fused_kernels [--model default] [--tokens 1 32 512] [--threads N]
+    python -m bench.micro.fused_kernels [--model default] [--tokens 1 32 512] [--threads N]
 
 For each token count: microseconds per call of RMSNorm with its residual add and of RoPE
 on the strided q/k view, PyTorch then fused (alternated, best of several rounds, so a

@@ -1,0 +1,33 @@
+"""The batch and context sizes device graphs are captured for, and the lookup of a step's."""
+
+from __future__ import annotations
+
+import bisect
+
+# The smallest context bucket (gather fallback): below it, one bucket covers every short
+# conversation.
+MIN_CONTEXT_BUCKET = 256
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 8 to 64, every 16 to 256,
+    every 32 beyond (SGLang's spacing), always ending at ``max_batch``."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 257, 16), *range(288, max_batch + 1, 32)]
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def context_buckets(max_context: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
+    """Context lengths the decode attention is padded to: powers of two from ``smallest``,
+    the last one cut to ``max_context`` (the request table's width)."""
+    buckets = []
+    size = smallest
+    while size < max_context:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_context]
+
+
+def bucket_for(value: int, buckets: list[int]) -> int | None:
+    """The smallest bucket >= ``value``; None when ``value`` is past the largest."""
+    i = bisect.bisect_left(buckets, value)
+    return buckets[i] if i < len(buckets) else None

@@ -1,0 +1,115 @@
+"""Attention backend on the Triton paged kernel (engine/layers/triton_ops/paged_attention.py):
+decode, extend and mixed steps each in one launch per layer, K/V read in place."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.layers.attention_base import AttentionBackend
+from engine.layers.attention_meta import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Causal paged attention for GPUs with a Triton backend (CUDA, ROCm, MUSA).
+
+    Covers sliding windows, soft-capping and custom scales too, so windowed layers need
+    no per-sequence path. A decode step reads only tensors and its batch size: its launch
+    shapes never depend on context lengths, so it can be captured in a graph.
+    """
+
+    name = "triton"
+    graph_safe_decode = True
+    decode_reads_pool_in_place = True
+
+    def __init__(
+        self,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        # Imported here: the engine runs without the triton package everywhere else.
+        from engine.layers.triton_ops import fused, paged_attention
+
+        self._kernel = paged_attention.paged_attention
+        self._store = fused.store_kv
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.scale = scale
+
+    def with_options(
+        self, sliding_window: int | None, softcap: float | None, scale: float | None
+    ) -> TritonAttentionBackend:
+        """The same kernel with a layer's window, soft-capping and scale."""
+        return TritonAttentionBackend(sliding_window, softcap, scale)
+
+    def _store_kv(
+        self,
+        layer_id: int,
+        meta: AttentionMetadata,
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        kv_pool: DeviceKVPool,
+    ) -> None:
+        # K and V rows in one launch instead of two index_put_.
+        self._store(k, v, meta.out_slots, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id])
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, q_heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:  # [T, q_heads * head_dim]
+        self.store_new_kv(k, v, layer_id, meta, kv_pool)
+        num_tokens, q_heads, head_dim = q.shape
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        options = {"scale": self.scale, "window": self.sliding_window, "softcap": self.softcap}
+        if meta.is_decode:
+            out = self._kernel(
+                q,
+                kv_pool.k_buffers[layer_id],
+                kv_pool.v_buffers[layer_id],
+                meta.req_table,
+                meta.req_rows,
+                meta.seq_lens,
+                **options,  # type: ignore[arg-type]
+            )
+        else:
+            # Mixed steps too: a decode row is an extend of one token.
+            q_starts, q_lens = self._extend_layout(meta, q.device)
+            out = self._kernel(
+                q,
+                kv_pool.k_buffers[layer_id],
+                kv_pool.v_buffers[layer_id],
+                meta.req_table,
+                meta.req_rows,
+                meta.seq_lens,
+                q_starts=q_starts,
+                q_lens=q_lens,
+                max_q_len=max(meta.extend_lens_list),
+                **options,  # type: ignore[arg-type]
+            )
+        return out.view(num_tokens, q_heads * head_dim)
+
+    @staticmethod
+    def _extend_layout(
+        meta: AttentionMetadata, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """First new token ``[B]`` and new-token count ``[B]`` of each sequence, uploaded
+        once per forward and shared by every layer."""
+        layout = meta.cache.get("triton_extend")
+        if layout is None:
+            starts, offset = [], 0
+            for n in meta.extend_lens_list:
+                starts.append(offset)
+                offset += n
+            layout = torch.tensor([starts, meta.extend_lens_list], dtype=torch.int64)
+            layout = layout.to(device, non_blocking=True)  # [2, B]
+            meta.cache["triton_extend"] = layout
+        return layout[0], layout[1]
