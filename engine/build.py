@@ -38,6 +38,7 @@ class EngineParts:
     device_spec: platform.DeviceSpec
     device: torch.device
     dtype: torch.dtype
+    weights: dtypes.WeightFormat  # what --dtype chose: packed GGUF, bf16 weights, ...
     model_path: Path
     hf_config: Any
     tokenizer: Any
@@ -98,6 +99,7 @@ def _build_on(
         config.attention_backend,
         tp.shard if tp is not None else None,
         gguf_path=gguf_file if weights.packed_gguf else None,
+        bf16_weights=weights.bf16_weights,
     )
     context: Any = config.max_model_len or getattr(hf_config, "max_position_embeddings", 2048)
     max_model_len = int(context)
@@ -152,6 +154,7 @@ def _build_on(
         device_spec=device_spec,
         device=device,
         dtype=dtype,
+        weights=weights,
         model_path=model_path,
         hf_config=hf_config,
         tokenizer=tokenizer,

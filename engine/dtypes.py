@@ -68,18 +68,27 @@ class WeightFormat:
     dtype: torch.dtype
     packed_gguf: bool
     reason: str
+    # CPU bf16: float32 activations, norms and KV (``dtype``), linear weights rounded to
+    # bf16 for the packed-weight kernel (engine/models/bf16_weights.py).
+    bf16_weights: bool = False
 
 
 def choose_weights(name: str, spec: DeviceSpec, gguf: bool, tp_size: int = 1) -> WeightFormat:
     """What ``--dtype name`` means for the weights of a model on ``spec``.
 
     ``auto`` on the CPU: a GGUF (``gguf``, single process) keeps its blocks packed with
-    float32 activations; other models are bf16 where the CPU multiplies bf16 natively,
-    float32 elsewhere. An explicit dtype is taken as given (``float32``: every weight
-    dense float32, the exact-parity mode).
+    float32 activations; other models are bf16 where the CPU has native bf16 (AMX,
+    AVX512-BF16), float32 elsewhere. An explicit dtype is taken as given (``float32``:
+    every weight dense float32, the exact-parity mode). bf16 on the CPU in one process
+    means bf16 weights with float32 activations (``bf16_weights``).
     """
     dtype = parse_dtype(name, spec)
+    cpu_bf16 = spec.type == "cpu" and dtype == torch.bfloat16 and tp_size == 1
     if name.strip().lower() != "auto":
+        if cpu_bf16:
+            return WeightFormat(
+                torch.float32, False, f"--dtype {name}: bf16 weights, float32 activations", True
+            )
         return WeightFormat(dtype, False, f"--dtype {name}")
     if spec.type != "cpu":
         return WeightFormat(dtype, False, f"--dtype auto on {spec.type}")
@@ -91,7 +100,14 @@ def choose_weights(name: str, spec: DeviceSpec, gguf: bool, tp_size: int = 1) ->
             "(float32 activations); --dtype float32 dequantizes them",
         )
     bf16 = cpu_bf16_reason()
-    if bf16 is not None:
+    if bf16 is not None and cpu_bf16:
+        return WeightFormat(
+            torch.float32,
+            False,
+            f"--dtype auto on a CPU with {bf16}: bf16 weights, float32 activations",
+            True,
+        )
+    if bf16 is not None:  # tensor parallel: dense bf16 on every rank alike
         return WeightFormat(dtype, False, f"--dtype auto on a CPU with {bf16}: bfloat16")
     return WeightFormat(dtype, False, "--dtype auto on a CPU without AMX or AVX512-BF16: float32")
 

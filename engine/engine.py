@@ -37,6 +37,7 @@ class Engine:
         self.device_spec = parts.device_spec
         self.device = parts.device
         self.dtype = parts.dtype
+        self.weights = parts.weights
         self.model_path: Path = parts.model_path
         self.hf_config = parts.hf_config
         self.tokenizer = parts.tokenizer

@@ -281,6 +281,7 @@ def load_model(
     attention_backend: str = "auto",
     tp: TPShard | None = None,
     gguf_path: Path | None = None,
+    bf16_weights: bool = False,
 ) -> nn.Module:
     """Build the registered model class for ``path`` on ``device`` in ``dtype``, load weights, eval().
 
@@ -289,6 +290,8 @@ def load_model(
     switch to oneDNN-packed weights (set ``HISERVE_CPU_ONEDNN=0`` to keep ``F.linear``).
     ``gguf_path``: the GGUF that ``path`` was converted from; on the CPU its linear and
     embedding weights then stay in their GGUF blocks (``gguf_packed``).
+    ``bf16_weights``: on the CPU, round the linear weights to bf16 after loading and keep
+    the activations in ``dtype`` (float32); see ``bf16_weights``.
     """
     from engine.models import gguf_packed, tp_shard
 
@@ -317,6 +320,10 @@ def load_model(
         gguf_packed.finish(model, plan)
     else:
         model.load_weights(iter_safetensors(path))
+    if bf16_weights and device.type == "cpu":
+        from engine.models.bf16_weights import use_bf16_weights
+
+        use_bf16_weights(model)
     # Decode-size matmuls in the native GEMV kernel on float32 CPU models (HISERVE_CPU_GEMV=0:
     # off); before packing, so the dense weights it reads are kept.
     use_cpu_gemv(model)

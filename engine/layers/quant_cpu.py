@@ -30,7 +30,9 @@ PACKED_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    30: ("BF16", 32, 64),  # plain bfloat16, 32 weights at a time (bf16_weights.py)
 }
+BF16 = 30
 # Set to 0 to dequantize GGUF weights at load as before (for comparisons).
 ENV_SWITCH = "HISERVE_GGUF_PACKED"
 

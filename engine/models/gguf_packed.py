@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from engine.layers.linear import ALL_SHARDS, FusedLinear
-from engine.layers.quant_cpu import ENV_SWITCH, PACKED_TYPES, QuantTensor, quant_kernel, type_name
+from engine.layers.quant_cpu import (
+    BF16,
+    ENV_SWITCH,
+    PACKED_TYPES,
+    QuantTensor,
+    quant_kernel,
+    type_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +135,8 @@ def plan_packed(gguf_path: Path, model_dir: Path, model: nn.Module) -> PackedPla
                 if tensor is None or target is None:
                     continue
                 qtype = int(tensor.tensor_type)
-                if qtype not in PACKED_TYPES:
-                    if qtype not in (0, 1, 30):  # F32, F16, BF16: dense anyway
+                if qtype not in PACKED_TYPES or qtype == BF16:
+                    if qtype not in (0, 1, BF16):  # F32, F16, BF16: dense anyway
                         plan.dequantized[hf_name] = tensor.tensor_type.name
                     continue
                 blocks = np.asarray(tensor.data)

@@ -74,12 +74,17 @@ def test_cpu_auto_is_bf16_only_with_native_bf16(monkeypatch: pytest.MonkeyPatch)
         assert cpu_bf16_reason() == reason
         assert default_dtype(cpu) == torch.bfloat16
         chosen = choose_weights("auto", cpu, gguf=False)
-        assert (chosen.dtype, chosen.packed_gguf) == (torch.bfloat16, False)
-        assert reason in chosen.reason
+        assert (chosen.dtype, chosen.packed_gguf, chosen.bf16_weights) == (
+            torch.float32,
+            False,
+            True,
+        )
+        assert reason in chosen.reason and "bf16 weights, float32 activations" in chosen.reason
     _cpu_with(monkeypatch, False, False)
     assert cpu_bf16_reason() is None
     chosen = choose_weights("auto", cpu, gguf=False)
     assert chosen.dtype == torch.float32 and "without AMX or AVX512-BF16" in chosen.reason
+    assert not chosen.bf16_weights
 
 
 def test_cpu_auto_keeps_a_gguf_packed_and_explicit_dtypes_win(
@@ -93,7 +98,14 @@ def test_cpu_auto_keeps_a_gguf_packed_and_explicit_dtypes_win(
     sharded = choose_weights("auto", cpu, gguf=True, tp_size=2)
     assert (sharded.dtype, sharded.packed_gguf) == (torch.bfloat16, False)
     assert sharded.dtype == parse_dtype("auto", cpu)  # what a TP worker picks
-    for name, dtype in (("float32", torch.float32), ("bf16", torch.bfloat16)):
-        explicit = choose_weights(name, cpu, gguf=True)
-        assert (explicit.dtype, explicit.packed_gguf) == (dtype, False)
-        assert explicit.reason == f"--dtype {name}"
+    explicit = choose_weights("float32", cpu, gguf=True)
+    assert (explicit.dtype, explicit.packed_gguf, explicit.bf16_weights) == (
+        torch.float32,
+        False,
+        False,
+    )
+    assert explicit.reason == "--dtype float32"
+    bf16 = choose_weights("bf16", cpu, gguf=True)
+    assert (bf16.dtype, bf16.packed_gguf, bf16.bf16_weights) == (torch.float32, False, True)
+    gpu_bf16 = choose_weights("bf16", DeviceSpec("npu", 0), gguf=True)
+    assert (gpu_bf16.dtype, gpu_bf16.bf16_weights) == (torch.bfloat16, False)

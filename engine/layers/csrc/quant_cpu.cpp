@@ -1,5 +1,6 @@
 // Matmul against GGUF block-quantized weights kept packed: y[M, N] = x[M, K] @ W[N, K]^T
-// where each row of W is a run of ggml blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+// where each row of W is a run of ggml blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or
+// plain bfloat16 (ggml's BF16, taken 32 weights at a time): --dtype bfloat16 on the CPU.
 //
 // - qmatmul, M <= kGemvMax: each row's blocks are dequantized 32 weights at a time into
 //   two 16-float vectors (registers only) and multiplied into one float32 accumulator
@@ -32,6 +33,7 @@ namespace {
 
 // ggml type ids (GGMLQuantizationType).
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kBF16 = 30;  // plain bfloat16 weights, taken 32 at a time as one "block"
 constexpr int kGemvMax = 4;     // the most tokens the register path takes
 constexpr int kTileRows = 64;   // rows per dequantized tile on the batched path
 
@@ -43,7 +45,7 @@ constexpr int block_len() {  // weights per block
 template <int Q>
 constexpr int block_bytes() {
   return Q == kQ4_0 ? 18 : Q == kQ4_1 ? 20 : Q == kQ8_0 ? 34 : Q == kQ4_K ? 144
-       : Q == kQ5_K ? 176 : 210;
+       : Q == kQ5_K ? 176 : Q == kBF16 ? 64 : 210;
 }
 
 inline float half_at(const uint8_t* p) {
@@ -66,7 +68,14 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
 // One block -> block_len<Q>() floats (the scalar reference, and the fallback path).
 template <int Q>
 void dequant_block(const uint8_t* b, float* out) {
-  if constexpr (Q == kQ8_0) {
+  if constexpr (Q == kBF16) {
+    for (int i = 0; i < 32; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, b + 2 * i, 2);
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+      std::memcpy(out + i, &wide, 4);
+    }
+  } else if constexpr (Q == kQ8_0) {
     const float d = half_at(b);
     const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
     for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
@@ -124,7 +133,11 @@ inline __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
 template <int Q>
 inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
   const __m512i low4 = _mm512_set1_epi32(15);
-  if constexpr (Q == kQ8_0) {
+  if constexpr (Q == kBF16) {  // bf16 is the top half of a float32
+    const __m256i* p = reinterpret_cast<const __m256i*>(b);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
+  } else if constexpr (Q == kQ8_0) {
     const __m512 d = _mm512_set1_ps(half_at(b));
     const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
     lo = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
@@ -292,6 +305,7 @@ void dispatch(int qtype, Args&&... args) {
     case kQ4_K: F<kQ4_K>{}(args...); break;
     case kQ5_K: F<kQ5_K>{}(args...); break;
     case kQ6_K: F<kQ6_K>{}(args...); break;
+    case kBF16: F<kBF16>{}(args...); break;
     default: TORCH_CHECK(false, "ggml type ", qtype, " is not supported packed");
   }
 }
