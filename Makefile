@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# xgrammar's wheel requires triton (about 1 GB, CUDA-only, wrong on MUSA): install it
 	# without dependencies; the `grammar` extra lists the ones it really needs.
 	$(PIP) install -q --no-deps "$(XGRAMMAR_PIN)"
-	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu]"
+	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu,eval]"
 	touch $@
 
 setup: $(VENV)/.installed
