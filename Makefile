@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps "$(XGRAMMAR_PIN)"
 	# triton (the `kernels` extra) is installed after xgrammar on purpose: CPU CI runs the
 	# Triton kernels under its interpreter; xgrammar keeps its CPU path.
-	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu,kernels]"
+	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu,kernels,eval,l3-crypt]"
 	touch $@
 
 setup: $(VENV)/.installed
