@@ -133,6 +133,7 @@ def _build_on(
         config.grammar_compile_timeout,
         device,
         step_budget_s=config.grammar_step_budget_ms / 1e3,
+        cache_bytes=int(config.grammar_cache_mb * 1024 * 1024),
     )
     runner = ModelRunner(
         model,

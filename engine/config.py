@@ -117,6 +117,8 @@ class EngineConfig(SchedulerConfig):
     # Grammar work (mask fill + accept) one request may take per generated token, in ms;
     # past it the request ends with an error (an ambiguous grammar's cost grows per step).
     grammar_step_budget_ms: float = 50.0
+    # Compiled grammars kept for reuse, in MB of xgrammar's own accounting (LRU).
+    grammar_cache_mb: float = 256.0
     # Most choices (prompts x n) of one constrained request: each copy has its own matcher.
     max_grammar_choices: int = 8
     # Device graphs (CUDA / MUSA) replay pure decode steps (engine/graph_runner.py); they
@@ -195,6 +197,8 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(
                 f"grammar_step_budget_ms must be > 0, got {self.grammar_step_budget_ms}"
             )
+        if self.grammar_cache_mb < 0:
+            raise ValueError(f"grammar_cache_mb must be >= 0, got {self.grammar_cache_mb}")
         if self.max_grammar_choices < 1:
             raise ValueError(f"max_grammar_choices must be >= 1, got {self.max_grammar_choices}")
         if self.grammar_compile_timeout <= 0:

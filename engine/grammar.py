@@ -10,17 +10,16 @@ applies it to the logits before any other sampling step.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.grammar_pool import DEFAULT_CACHE_BYTES, CompilePool
 from engine.grammar_spec import GrammarError, GrammarSpec, check_spec
 
 if TYPE_CHECKING:
@@ -34,10 +33,6 @@ DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # is ended: an ambiguous grammar's per-step cost grows without bound (issue 25: 15 ms to
 # over 1 s within ten tokens), and every other request waits for it.
 DEFAULT_STEP_BUDGET_S = 0.05
-# Compiled grammars kept by xgrammar's own cache (bytes), and compile futures we keep
-# so that an identical constraint compiles once (entries).
-COMPILER_CACHE_BYTES = 256 * 1024 * 1024
-FUTURE_CACHE_ENTRIES = 512
 
 
 def xgrammar_available() -> bool:
@@ -82,7 +77,11 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Collec
 
 
 class GrammarBackend:
-    """Compiles constraints for one model, off the engine thread, each distinct one once."""
+    """Compiles constraints for one model, off the engine thread, each distinct one once.
+
+    Compiles run in killable worker processes (engine/grammar_pool.py); the parse check
+    runs first, here, so a constraint the engine refuses never reaches a worker.
+    """
 
     def __init__(
         self,
@@ -90,25 +89,14 @@ class GrammarBackend:
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         compile_workers: int = 2,
         step_budget_s: float = DEFAULT_STEP_BUDGET_S,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
-        import xgrammar as xgr
-
         self.step_budget_s = step_budget_s
         self.info = tokenizer_info
         self.vocab_size: int = int(tokenizer_info.vocab_size)
         self.stop_token_ids: list[int] = list(tokenizer_info.stop_token_ids)
         self.compile_timeout_s = compile_timeout_s
-        self.compiler = xgr.GrammarCompiler(
-            tokenizer_info,
-            max_threads=compile_workers,
-            cache_enabled=True,
-            cache_limit_bytes=COMPILER_CACHE_BYTES,
-        )
-        self._executor = ThreadPoolExecutor(
-            max_workers=compile_workers, thread_name_prefix="hiserve-grammar"
-        )
-        self._futures: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
-        self._lock = threading.Lock()
+        self.pool = CompilePool(tokenizer_info, compile_workers, compile_timeout_s, cache_bytes)
 
     @classmethod
     def for_tokenizer(
@@ -118,41 +106,20 @@ class GrammarBackend:
         stop_token_ids: Collection[int],
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         step_budget_s: float = DEFAULT_STEP_BUDGET_S,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> GrammarBackend:
         info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
-        return cls(info, compile_timeout_s, step_budget_s=step_budget_s)
+        return cls(info, compile_timeout_s, step_budget_s=step_budget_s, cache_bytes=cache_bytes)
 
     def submit(self, spec: GrammarSpec) -> Future[Any]:
         """The compiled grammar of ``spec``, compiling it in a worker unless known."""
-        with self._lock:
-            future = self._futures.get(spec)
-            if future is not None:
-                self._futures.move_to_end(spec)
-                return future
-            future = self._executor.submit(self._compile, spec)
-            self._futures[spec] = future
-            while len(self._futures) > FUTURE_CACHE_ENTRIES:
-                self._futures.popitem(last=False)
-            return future
-
-    def _compile(self, spec: GrammarSpec) -> Any:
-        check_spec(spec)
-        started = time.perf_counter()
         try:
-            if spec.kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(
-                    spec.value, any_whitespace=False, strict_mode=True
-                )
-            elif spec.kind == "regex":
-                compiled = self.compiler.compile_regex(spec.value)
-            else:
-                compiled = self.compiler.compile_grammar(spec.as_ebnf())
-        except RuntimeError as exc:
-            raise GrammarError(f"{spec.param}: cannot compile: {exc}", spec.param) from exc
-        logger.debug(
-            "compiled %s grammar in %.1f ms", spec.kind, 1e3 * (time.perf_counter() - started)
-        )
-        return compiled
+            check_spec(spec)
+        except GrammarError as exc:
+            failed: Future[Any] = Future()
+            failed.set_exception(exc)
+            return failed
+        return self.pool.submit(spec)
 
     def start(self, spec: GrammarSpec, extra_stop_ids: Collection[int] = ()) -> RequestGrammar:
         """A new request's grammar state; its matcher is made once the compile is done."""
@@ -167,7 +134,7 @@ class GrammarBackend:
         )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
 
 @dataclass(eq=False)
@@ -359,8 +326,10 @@ class EngineGrammars:
         compile_timeout_s: float,
         device: torch.device,
         step_budget_s: float = DEFAULT_STEP_BUDGET_S,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self.step_budget_s = step_budget_s
+        self.cache_bytes = cache_bytes
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = set(stop_token_ids)
@@ -392,6 +361,7 @@ class EngineGrammars:
                 self.stop_token_ids,
                 self.compile_timeout_s,
                 self.step_budget_s,
+                self.cache_bytes,
             )
         return self._backend
 

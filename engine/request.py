@@ -44,6 +44,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: the text must match it
+    # The API request this engine request is one copy of (n > 1, or several prompts): the
+    # scheduler takes turns between groups instead of admitting a whole group first.
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -15,18 +15,29 @@ import uvicorn
 
 from server.app import create_app
 from server.args import ServerArgs, parse_args
+from server.connections import ConnectionLimits, guarded_protocol
 
 
 def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
     """uvicorn settings from the server arguments. The HTTP side waits up to the grace
     period for in-flight responses, then cancels them; the lifespan then gives the engine
-    the same grace (``AsyncEngine.shutdown``) before it aborts what is left."""
+    the same grace (``AsyncEngine.shutdown``) before it aborts what is left.
+
+    Connections go through ``GuardedH11Protocol`` (caps, header and send deadlines)."""
+    limits = ConnectionLimits(
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        header_timeout=args.header_timeout,
+        send_timeout=args.send_timeout,
+        send_buffer_bytes=args.send_buffer_bytes,
+    )
     return uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         lifespan="on",
+        http=guarded_protocol(limits),
         timeout_graceful_shutdown=math.ceil(args.shutdown_grace),
     )
 

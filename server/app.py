@@ -26,6 +26,7 @@ from server.cache_report import CacheReport
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
 from server.errors import APIError, error_response, install_error_handlers, new_error_id
 from server.fleet_info import add_fleet_routes
+from server.log_limits import install_repeat_limits
 from server.log_safety import exposure_warning, install_redaction
 from server.metrics import ServerMetrics
 from server.middleware import GuardMiddleware, bearer_matches
@@ -110,6 +111,7 @@ def create_app(
                 engine,
                 args.tool_call_parser,
                 max_choices=args.max_choices,
+                max_choice_prompt_tokens=args.max_choice_prompt_tokens,
                 trust_special_tokens=args.trust_message_special_tokens,
                 cache_report=CacheReport(args.cached_tokens_scope),
             )
@@ -170,6 +172,7 @@ def create_app(
     app.state.hiserve = state
     install_error_handlers(app)
     install_redaction()
+    install_repeat_limits()
     warning = exposure_warning(args.host, args.api_key)
     if warning is not None:
         logger.warning(warning)
@@ -180,6 +183,7 @@ def create_app(
         allowed_hosts=args.allowed_hosts,
         admin_key=args.admin_key,
         metrics_public=args.metrics_public,
+        body_timeout=args.body_timeout,
     )
     _add_routes(app, state)
     add_fleet_routes(app, state)

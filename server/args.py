@@ -40,8 +40,15 @@ class ServerArgs:
     metrics_public: bool = False
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 4096
+    max_connections_per_client: int = 256
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    send_timeout: float = 15.0
+    send_buffer_bytes: int = 64 * 1024
     shutdown_grace: float = 30.0
     max_choices: int = 256
+    max_choice_prompt_tokens: int = 131072
     allowed_hosts: tuple[str, ...] = ()  # empty: any Host header
     enable_docs: bool = False
     trust_message_special_tokens: bool = False
@@ -62,8 +69,15 @@ class ServerArgs:
             admin_key="set" if self.admin_key else "none",
             metrics_public=self.metrics_public,
             max_body_bytes=self.max_body_bytes,
+            max_connections=self.max_connections,
+            max_connections_per_client=self.max_connections_per_client,
+            header_timeout=self.header_timeout,
+            body_timeout=self.body_timeout,
+            send_timeout=self.send_timeout,
+            send_buffer_bytes=self.send_buffer_bytes,
             shutdown_grace=self.shutdown_grace,
             max_choices=self.max_choices,
+            max_choice_prompt_tokens=self.max_choice_prompt_tokens,
             allowed_hosts=",".join(self.allowed_hosts) or "any",
             enable_docs=self.enable_docs,
             trust_message_special_tokens=self.trust_message_special_tokens,
@@ -208,6 +222,18 @@ def parse_args(
         _fail(parser, f"--shutdown-grace must be >= 0, got {values['shutdown_grace']}")
     if values["max_choices"] < 1:
         _fail(parser, f"--max-choices must be >= 1, got {values['max_choices']}")
+    for name in (
+        "max_choice_prompt_tokens",
+        "max_connections",
+        "header_timeout",
+        "body_timeout",
+        "send_timeout",
+    ):
+        if values[name] <= 0:
+            _fail(parser, f"--{name.replace('_', '-')} must be > 0, got {values[name]}")
+    for name in ("max_connections_per_client", "send_buffer_bytes"):
+        if values[name] < 0:
+            _fail(parser, f"--{name.replace('_', '-')} must be >= 0 (0: off), got {values[name]}")
     api_key = values["api_key"] or None
     admin_key = values["admin_key"] or None
     if api_key is not None and api_key == admin_key:
@@ -227,8 +253,15 @@ def parse_args(
         metrics_public=bool(values["metrics_public"]),
         log_level=values["log_level"],
         max_body_bytes=values["max_body_bytes"],
+        max_connections=values["max_connections"],
+        max_connections_per_client=values["max_connections_per_client"],
+        header_timeout=values["header_timeout"],
+        body_timeout=values["body_timeout"],
+        send_timeout=values["send_timeout"],
+        send_buffer_bytes=values["send_buffer_bytes"],
         shutdown_grace=values["shutdown_grace"],
         max_choices=values["max_choices"],
+        max_choice_prompt_tokens=values["max_choice_prompt_tokens"],
         allowed_hosts=hosts,
         enable_docs=bool(values["enable_docs"]),
         trust_message_special_tokens=bool(values["trust_message_special_tokens"]),

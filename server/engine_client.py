@@ -48,6 +48,7 @@ _KNOWN_PARAMS = {
     "stop_token_ids",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
     "prompt",
     "seed",
 }
@@ -100,6 +101,7 @@ class EngineClient:
         engine: Any,
         tool_call_parser: str = "auto",
         max_choices: int = 256,
+        max_choice_prompt_tokens: int = 131072,
         trust_special_tokens: bool = False,
         cache_report: CacheReport | None = None,
     ) -> None:
@@ -107,6 +109,7 @@ class EngineClient:
         self.cache_report = cache_report or CacheReport("all")
         self.tokenizer = engine.tokenizer
         self.max_choices = max_choices
+        self.max_choice_prompt_tokens = max_choice_prompt_tokens
         self.chat_encoder = ChatPromptEncoder(self.tokenizer, trust_special_tokens)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hiserve-tok")
         # Texts past BULK_TEXT_CHARS are tokenized by a second worker with its own copy of

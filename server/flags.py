@@ -210,6 +210,11 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "grammar_step_budget_ms",
     ),
     FlagSpec(
+        "grammar-cache-mb",
+        "MB of compiled grammars kept for reuse (least recently used go first)",
+        "grammar_cache_mb",
+    ),
+    FlagSpec(
         "max-grammar-choices",
         "most choices (prompts x n) of a request with an output constraint",
         "max_grammar_choices",
@@ -263,6 +268,46 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         default=8 * 1024 * 1024,
     ),
     FlagSpec(
+        "max-connections",
+        "open connections in all; past it a new one gets a 503 and is closed (keep it "
+        "below the descriptor limit, ulimit -n)",
+        kind="int",
+        default=4096,
+    ),
+    FlagSpec(
+        "max-connections-per-client",
+        "open connections from one client address (0: no cap); raise it on a replica "
+        "behind a router, whose connections all come from one address",
+        kind="int",
+        default=256,
+    ),
+    FlagSpec(
+        "header-timeout",
+        "seconds a connection may take to send complete request headers (slowloris guard)",
+        kind="float",
+        default=10.0,
+    ),
+    FlagSpec(
+        "body-timeout",
+        "seconds a request may take to send its whole body (408 past it)",
+        kind="float",
+        default=60.0,
+    ),
+    FlagSpec(
+        "send-timeout",
+        "seconds a response write may wait on a client that reads nothing before the "
+        "connection is aborted (its request ends and frees its running slot)",
+        kind="float",
+        default=15.0,
+    ),
+    FlagSpec(
+        "send-buffer-bytes",
+        "socket send buffer and write high-water mark per connection: how much a client "
+        "that reads nothing can absorb before --send-timeout starts (0: the system's)",
+        kind="int",
+        default=64 * 1024,
+    ),
+    FlagSpec(
         "shutdown-grace",
         "seconds in-flight requests get to finish on SIGTERM",
         kind="float",
@@ -273,6 +318,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "most choices (prompts x n) per request",
         kind="int",
         default=256,
+    ),
+    FlagSpec(
+        "max-choice-prompt-tokens",
+        "most prompt tokens summed over a request's choices (prompt length x n, over "
+        "every prompt) when it has more than one; each copy's prefill reads its prompt",
+        kind="int",
+        default=131072,
     ),
     FlagSpec(
         "allowed-hosts",

@@ -8,6 +8,7 @@ an admin key the client key opens those too (a single server, as before).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -103,8 +104,10 @@ class GuardMiddleware:
         allowed_hosts: tuple[str, ...] = (),
         admin_key: str | None = None,
         metrics_public: bool = False,
+        body_timeout: float | None = None,
     ) -> None:
         self.app = app
+        self.body_timeout = body_timeout
         self.api_key = api_key.encode("utf-8") if api_key else None
         self.admin_key = admin_key.encode("utf-8") if admin_key else None
         self.metrics_public = metrics_public
@@ -153,8 +156,25 @@ class GuardMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = None if self.body_timeout is None else loop.time() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(
+                    receive(), None if deadline is None else max(0.0, deadline - loop.time())
+                )
+            except asyncio.TimeoutError:
+                # NOTE: a body sent a byte at a time would hold the connection (and the
+                # buffer) as long as the sender likes.
+                response = error_response(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:.0f} s "
+                    "(--body-timeout)",
+                    code="body_timeout",
+                    headers={"Connection": "close"},
+                )
+                await response(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return  # client gone before the body arrived: nothing to answer
             body = message.get("body", b"")

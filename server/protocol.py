@@ -71,9 +71,14 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    # 0 only with echo: the prompt is scored and nothing generated (checked when served).
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool | None = False
     # The upper bound is --max-logprobs, checked with the engine's other limits.
     logprobs: int | None = Field(default=None, ge=0)
+    # vLLM: top-N per prompt token (0: the prompt token only), in each choice's
+    # ``prompt_logprobs``; -1 (the whole vocabulary) is refused.
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     response_format: dict[str, Any] | None = None
@@ -104,6 +109,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = True
     add_generation_prompt: bool | None = True
+    prompt_logprobs: int | None = None  # vLLM's; refused here (see serve_chat)
     continue_final_message: bool | None = False
 
 
@@ -134,12 +140,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one candidate at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's prompt_logprobs: None for the first token, then token id -> entry.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -80,6 +80,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 def _check_chat_fields(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.prompt_logprobs is not None:
+        raise APIError(
+            400,
+            "prompt_logprobs is not supported on /v1/chat/completions; score prompts on "
+            "/v1/completions (prompt_logprobs, or echo with logprobs)",
+            param="prompt_logprobs",
+        )
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(
             400,

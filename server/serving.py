@@ -132,6 +132,7 @@ def make_plan(
     prompt_param: str,
     grammar: GrammarSpec | None = None,
     authorization: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Plan:
     """Validate once per prompt up front, so a bad field fails before anything is queued.
 
@@ -142,8 +143,22 @@ def make_plan(
     its own matcher; the spec itself is shared).
 
     ``authorization``: the caller's Authorization header, for ``--cached-tokens-scope``.
+
+    ``prompt_logprobs``: score each prompt with this top-N. Only the first choice of a
+    prompt scores it (scoring computes the whole prompt; the other choices reuse that
+    KV), unless max_tokens is 0, where scoring is all a choice does.
     """
     plan = Plan(base_id=base_id, prompts=prompts, n=req.n or 1)
+    copied = sum(len(p) for p in prompts) * plan.n
+    if plan.num_choices > 1 and copied > client.max_choice_prompt_tokens:
+        raise APIError(
+            400,
+            f"this request's {plan.num_choices} choices read {copied} prompt tokens in all "
+            f"(prompt length x n={plan.n}); at most {client.max_choice_prompt_tokens} are "
+            "allowed per request (--max-choice-prompt-tokens). Lower n, or shorten the prompt.",
+            param="n",
+            code="too_many_prompt_tokens",
+        )
     if grammar is not None and plan.num_choices > client.max_grammar_choices:
         raise APIError(
             400,
@@ -165,15 +180,20 @@ def make_plan(
             stop_token_ids=stop_token_ids,
         )
         base.grammar = grammar
+        base.group = base_id  # every copy shares ``base``: the scheduler takes turns
+        base.prompt_logprobs = prompt_logprobs
         client.validate(prompt, base, prompt_param)
         if logprobs is not None:
             entries += plan.n * base.max_tokens * (1 + logprobs)
+        rest = base
+        if prompt_logprobs is not None and base.max_tokens > 0:
+            rest = dataclasses.replace(base, prompt_logprobs=None)
         for sample in range(plan.n):
-            if req.seed is None:
-                plan.params.append(base)
-            else:
+            params = base if sample == 0 else rest
+            if req.seed is not None:
                 seed = (req.seed + sample) % SEED_MOD
-                plan.params.append(dataclasses.replace(base, seed=seed))
+                params = dataclasses.replace(params, seed=seed)
+            plan.params.append(params)
     if entries > client.max_logprob_entries:
         param = "top_logprobs" if prompt_param == "messages" else "logprobs"
         raise APIError(

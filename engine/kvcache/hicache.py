@@ -12,10 +12,11 @@ from engine import platform
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.host_pool import HostKVPool
-from engine.kvcache.radix_cache import MatchResult, RadixCache, TreeNode
+from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.storage.prefetch import Prefetch
 from engine.kvcache.storage.tier import StorageTier
 from engine.kvcache.transfer import KVTransfer
+from engine.kvcache.tree_node import MatchResult, TreeNode
 
 logger = logging.getLogger("hiserve.hicache")
 

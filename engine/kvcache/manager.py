@@ -9,9 +9,8 @@ from typing import Any
 import torch
 
 from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
-from engine.kvcache.radix_cache import MatchResult
 from engine.kvcache.req_table import ReqTable
-from engine.kvcache.tree_base import PrefixTree
+from engine.kvcache.tree_base import MatchResult, PrefixTree
 from engine.request import Req
 
 

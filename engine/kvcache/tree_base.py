@@ -1,4 +1,5 @@
-"""The interface of a prefix tree as the KV manager and the engine see it.
+"""The interface of a prefix tree as the KV manager and the engine see it (its node and
+match types are in tree_node.py).
 
 ``RadixCache`` (engine/kvcache/radix_cache.py) is the device-only tree; ``HiRadixCache``
 (engine/kvcache/hicache.py) adds the host tier (L2) and, through ``storage``, an L3
@@ -14,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.kvcache.tree_node import MatchResult, TreeNode
+
 if TYPE_CHECKING:
-    from engine.kvcache.radix_cache import MatchResult, TreeNode
     from engine.kvcache.storage.tier import StorageTier
+
 
 # What host_stats() reports for a tree without a host tier: every figure zero.
 NO_HOST_STATS: dict[str, float] = dict.fromkeys(

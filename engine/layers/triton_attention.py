@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.kvcache.device_pool import DeviceKVPool
-from engine.layers.attention import AttentionBackend
+from engine.layers.attention_base import AttentionBackend
 from engine.layers.attention_meta import AttentionMetadata
 
 

@@ -22,6 +22,7 @@ from tests.container.build_rehearsal import (
     VENDOR_NUMPY,
     Image,
     build,
+    instructions,
     make_base,
 )
 
@@ -160,3 +161,53 @@ def test_the_numpy_floor_admits_the_vendor_numpy() -> None:
     assert floor is not None, "pyproject.toml: numpy needs a lower bound"
     as_tuple = tuple(int(p) for p in floor.group(1).split("."))
     assert as_tuple <= (1, 23, 1) and VENDOR_NUMPY.startswith("1.23.")
+
+
+def test_the_ldd_step_fails_the_build_on_a_native_module_that_cannot_load(
+    image: Image, tmp_path: Path
+) -> None:
+    """The Dockerfile's own ldd step, re-run in the built image after a torch_musa native
+    module that links a library the image lacks was added to the vendor torch_musa."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler")
+    dockerfile = (ROOT / "Dockerfile.musa").read_text()
+    (step,) = [a for k, a in instructions(dockerfile) if k == "RUN" and "native_libs" in a]
+    command = step[step.index("python /opt/hiserve/native_libs.py") :]
+    assert image.run(command).returncode == 0  # as in the build: nothing missing
+    soname = "libhiserve_missing_in_image.so.5"
+    stub = tmp_path / soname
+    (tmp_path / "a.c").write_text("int musa_stub(void) { return 0; }\n")
+    (tmp_path / "b.c").write_text(
+        "int musa_stub(void);\nint kernel(void) { return musa_stub(); }\n"
+    )
+    subprocess.run(
+        [
+            compiler,
+            "-shared",
+            "-fPIC",
+            f"-Wl,-soname,{soname}",
+            "-o",
+            str(stub),
+            str(tmp_path / "a.c"),
+        ],
+        check=True,
+    )
+    pattern = f"lib/python*/site-packages/torch_musa-{TORCH_MUSA_VERSION}.dist-info"
+    dist_info = next(image.path(VENDOR_ENV).glob(pattern))
+    module = dist_info.parent / "torch_musa" / "lib" / "libmusa_kernels.so"
+    module.parent.mkdir(exist_ok=True)
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", str(module), str(tmp_path / "b.c"), str(stub)],
+        check=True,
+    )
+    record = dist_info / "RECORD"
+    before = record.read_text()
+    record.write_text(before + "torch_musa/lib/libmusa_kernels.so,,\n")
+    try:
+        done = image.run(command)
+    finally:
+        record.write_text(before)
+        module.unlink()
+    assert done.returncode == 1
+    assert f"{module}: {soname} not found" in done.stderr

@@ -116,13 +116,16 @@ def musa_problems(text: str) -> list[str]:
 def runs_python_code(command: str) -> bool:
     """Whether a shell command runs Python code that may import torch.
 
-    ``pip`` and the stdlib-only build helpers (vendor_torch.py, find_python.sh) never do.
+    ``pip`` and the stdlib-only build helpers (vendor_torch.py, native_libs.py,
+    find_python.sh) never do.
     """
     for words in simple_commands(command):
         if not words or not re.fullmatch(r"(.*/)?python3?", words[0]):
             continue
         rest = words[1:]
-        if rest[:2] == ["-m", "pip"] or (rest and rest[0].endswith("vendor_torch.py")):
+        if rest[:2] == ["-m", "pip"] or (
+            rest and rest[0].endswith(("vendor_torch.py", "native_libs.py"))
+        ):
             continue
         return True
     return False
@@ -206,7 +209,10 @@ def test_dockerfile_musa_passes_static_checks() -> None:
             lambda t: t + '\nRUN python -m pip list && python -c "import torch"\n',
             "autoload on",
         ),
-        (lambda t: t.replace("--require torch_musa\n\n# 3.", "\n\n# 3."), "still there"),
+        (
+            lambda t: t.replace("--require torch_musa \\\n && python /opt/hiserve/native", "&& x"),
+            "still there",
+        ),
         (lambda t: t.replace("PATH=/opt/hiserve/python/bin:", "PATH="), "first on PATH"),
         (
             lambda t: re.sub(r"RUN sh /opt/hiserve/find_python.sh[^&]*&& ", "RUN ", t),

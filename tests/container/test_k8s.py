@@ -307,6 +307,16 @@ def test_l3_component_over_the_tp_overlay_is_refused_by_the_server(
     assert "does not support tensor parallelism" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("component", ["l3-file", "l3-mooncake"])
+def test_l3_components_take_the_page_secret_from_a_secret(component: str, tmp_path: Path) -> None:
+    """Never a literal in the manifest (nor on a command line): a Secret's key, optional."""
+    docs = render_with(L3_OVERLAYS[0], component, tmp_path)
+    server = container(docs[("Deployment", "hiserve")], "hiserve")
+    source = env_of(server)["HISERVE_HICACHE_STORAGE_SECRET"]
+    assert source == {"secretKeyRef": {"name": "hiserve-l3", "key": "secret", "optional": True}}
+    assert not any("secret" in arg.lower() for arg in server.get("args", []))
+
+
 @pytest.mark.parametrize("overlay", L3_OVERLAYS)
 def test_l3_file_component_mounts_one_volume_in_every_replica(overlay: str, tmp_path: Path) -> None:
     docs = render_with(overlay, "l3-file", tmp_path)

@@ -293,3 +293,37 @@ def test_shutdown_grace_aborts_stragglers(tools: SimpleNamespace) -> None:
     assert len(engine.aborted) == 1 and not engine.running
     assert engine.shutdown_called
     assert "data: [DONE]" not in lines  # cut at the grace period, not run to the end
+
+
+def test_copies_are_grouped_and_their_prompt_tokens_budgeted(tools: SimpleNamespace) -> None:
+    """Issue 25 item 5: n copies each read the whole prompt; n x prompt tokens is capped
+    (400 naming n), and the copies reach the engine as one group for its scheduler."""
+    holder: dict[str, FakeEngine] = {}
+
+    def factory(config: EngineConfig) -> FakeEngine:
+        holder["engine"] = FakeEngine(config, step_delay=0.001)
+        return holder["engine"]
+
+    app = create_app(_args(max_choice_prompt_tokens=100), engine_factory=factory)
+    with tools.ThreadServer(app) as srv:
+        assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
+        prompt = "x" * 30  # 30 tokens (one per byte)
+        over = httpx.post(
+            srv.base_url + "/v1/completions",
+            json={"prompt": prompt, "n": 4, "max_tokens": 1},
+            headers=_auth(),
+        )
+        assert over.status_code == 400, over.text
+        error = over.json()["error"]
+        assert error["param"] == "n" and error["code"] == "too_many_prompt_tokens"
+        assert "120" in error["message"] and "--max-choice-prompt-tokens" in error["message"]
+        assert not holder["engine"].calls  # refused before anything was queued
+        fine = _client(srv).completions.create(
+            model="fake-model", prompt=[prompt, "y" * 20], n=2, max_tokens=1
+        )
+        assert len(fine.choices) == 4  # (30 + 20) x 2 = 100 tokens: at the cap
+        single = _client(srv).completions.create(model="fake-model", prompt="z" * 200)
+        assert len(single.choices) == 1  # one choice is never capped here
+    groups = [params.group for _, params in holder["engine"].calls]
+    assert len(groups) == 5 and None not in groups
+    assert len(set(groups[:4])) == 1 and groups[4] != groups[0]

@@ -288,8 +288,10 @@ def test_echo(client: openai.OpenAI, model_name: str, ref_engine: Any) -> None:
     n_prompt = len(ref_engine.tokenizer.encode(prompt))
     lp = echoed.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
-    assert all(v is not None for v in lp.token_logprobs[n_prompt:])
+    # The prompt is scored (test_server_scoring.py checks the values): all but token 0.
+    assert lp.token_logprobs[0] is None
+    assert all(v is not None for v in lp.token_logprobs[1:])
+    assert len(lp.token_logprobs) == n_prompt + 6
 
 
 def test_repeated_prompt_is_cached(client: openai.OpenAI, model_name: str) -> None:

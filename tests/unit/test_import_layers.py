@@ -37,6 +37,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.models": 4,
     "engine.sampler": 4,
     "engine.graph_runner": 4,
+    "engine.prompt_scoring": 4,
     "engine.loader": 5,
     "engine.model_runner": 5,
     "engine.tp": 6,
@@ -116,7 +117,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def layer_of(module: str) -> int | None:
-    while module:
+    """The layer of ``module`` or of the package it is in (the bare ``engine`` entry is the
+    package's own __init__ only, not a default for every module)."""
+    if module == "engine":
+        return ENGINE_LAYERS["engine"]
+    while "." in module:
         if module in ENGINE_LAYERS:
             return ENGINE_LAYERS[module]
         module = module.rpartition(".")[0]
@@ -170,6 +175,7 @@ def test_checkers_see_what_they_look_for() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert layer_of("engine.not_placed_yet") is None
     assert upward_imports({"engine.kvcache.manager": {"engine.scheduler"}}) == [
         "engine.kvcache.manager (layer 2) imports engine.scheduler (layer 3)"
     ]

@@ -70,6 +70,15 @@ def test_a_linked_subdirectory_never_carries_a_write_outside(tmp_path: Path) -> 
     assert store.get_into(keys[1:], [0]) == [False]
 
 
+def test_a_fifo_planted_as_a_page_is_a_miss_not_a_hang(tmp_path: Path) -> None:
+    store = attach(FileStore(tmp_path, secret=SECRET), HostPages(1))
+    key = keys_for([1, 2, 3, 4])[0]
+    store._path(key).parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(store._path(key))
+    assert store.get_into([key], [0]) == [False]  # open() would block without O_NONBLOCK
+    assert store.stats.pages_rejected == 1 and not store._path(key).exists()
+
+
 def test_swapped_pages_are_misses_never_the_other_prompt(tmp_path: Path) -> None:
     pool = HostPages(4, seed=1)
     store = attach(FileStore(tmp_path, secret=SECRET), pool)

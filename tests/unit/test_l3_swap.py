@@ -9,9 +9,14 @@ engine without any cache does: never the other prompt's continuation.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.kvcache.storage import page_keys
 from engine.kvcache.storage.file_store import FileStore
+from server.metrics import EngineCollector
+from tests.integration.conftest import metric_value
 from tests.unit.test_l3_engine import PAGE, PARAMS, make_engine, prompts, stored_len
 from tests.unit.test_l3_engine import reference as reference  # the fixture
 
@@ -38,4 +43,9 @@ def test_swapped_page_files_are_misses_with_the_right_answer(
     assert [o.token_ids for o in outs] == [reference[tuple(france)], reference[tuple(italy)]]
     assert [o.cached_tokens_storage for o in outs] == [0, 0]
     assert reader.kv.host_stats()["storage_pages_rejected_total"] >= 2
+    registry = CollectorRegistry()
+    served = SimpleNamespace(is_alive=lambda: True, stats=reader.stats, health=reader.health)
+    registry.register(EngineCollector(lambda: served))
+    exposition = generate_latest(registry).decode()
+    assert metric_value(exposition, "hiserve:hicache_storage_pages_rejected_total") >= 2
     reader.close()

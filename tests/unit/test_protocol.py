@@ -50,7 +50,7 @@ def test_completion_prompt_shapes(prompt: object) -> None:
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "temperature": math.nan}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "seed": -1}, "seed"),
         ({}, "prompt"),

@@ -38,6 +38,8 @@ _MAGIC = b"HSKV2\0"
 _HEADER = struct.Struct("<6sBQ")  # magic, flags, payload bytes (before sealing)
 _ENCRYPTED = 1
 _FILE_FLAGS = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+# NOTE: O_NONBLOCK: a FIFO planted as a page must not block the reader on open().
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _FILE_FLAGS
 # Without a fleet secret, the store keeps its own here (0600): see docs/cache-security.md.
 LOCAL_SECRET = ".hiserve-secret"
 _HEX = frozenset("0123456789abcdef")
@@ -93,14 +95,14 @@ class FileStore(KVStore):
         )
         for _ in range(3):
             try:
-                fd = os.open(LOCAL_SECRET, os.O_RDONLY | _FILE_FLAGS, dir_fd=self._root_fd)
+                fd = os.open(LOCAL_SECRET, _READ_FLAGS, dir_fd=self._root_fd)
             except FileNotFoundError:
                 self._make_local_secret()
                 continue
             with os.fdopen(fd, "rb") as handle:
-                info = os.fstat(handle.fileno())
-                secret = handle.read(1024).strip()
-            if not stat.S_ISREG(info.st_mode) or len(secret) < MIN_SECRET_BYTES:
+                regular = stat.S_ISREG(os.fstat(fd).st_mode)
+                secret = handle.read(1024).strip() if regular else b""
+            if len(secret) < MIN_SECRET_BYTES:
                 raise ValueError(f"{self.root / LOCAL_SECRET} is not a valid store secret")
             return secret
         raise ValueError(f"cannot create {self.root / LOCAL_SECRET}")
@@ -205,7 +207,7 @@ class FileStore(KVStore):
             sub = self._subdir(key, create=False)
             if sub is None:
                 raise FileNotFoundError(name)
-            fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=sub)
+            fd = os.open(name, _READ_FLAGS, dir_fd=sub)
             with os.fdopen(fd, "rb") as handle:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     return self._reject(sub, name, "not a regular file")

@@ -33,10 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.kvcache.host_pool import HostKVPool
-from engine.kvcache.radix_cache import TreeNode
 from engine.kvcache.storage.base import KVStore
 from engine.kvcache.storage.keys import page_keys
 from engine.kvcache.storage.prefetch import Prefetch
+from engine.kvcache.tree_node import TreeNode
 
 logger = logging.getLogger("hiserve.hicache")
 

@@ -1,0 +1,220 @@
+"""Grammar compiles in worker processes that are killed when they run out of time.
+
+A compile inside xgrammar cannot be interrupted: in a thread, a constraint that takes
+minutes holds its worker for minutes whatever the timeout says (issue 25: two 7 KB
+regexes starved the pool, and an unrelated ``guided_choice`` failed). Here each worker
+slot is a thread driving one child process; past the timeout the child is killed, the
+request gets its error, and the slot starts a fresh child for the next compile.
+
+Compiled grammars come back serialized (``CompiledGrammar.serialize_json``) and are kept
+in a cache bounded in bytes (their ``memory_size_bytes``); failures and timeouts are
+never kept, so a retry compiles again.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import Any
+
+from engine.grammar_spec import GrammarError, GrammarSpec
+
+logger = logging.getLogger("hiserve.grammar")
+
+# Compiled grammars kept for reuse, in bytes of xgrammar's own accounting.
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def _compile_in_child(compiler: Any, kind: str, text: str) -> Any:
+    if kind == "json_schema":
+        return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    return compiler.compile_grammar(text)
+
+
+def worker_main(conn: Any, tokenizer_info_json: str) -> None:
+    """A compile worker process: (kind, text) in, ("ok", json) or ("error", message) out."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn.send(("ready", ""))
+    while True:
+        try:
+            kind, text = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            compiled = _compile_in_child(compiler, kind, text)
+            conn.send(("ok", compiled.serialize_json()))
+        except Exception as exc:  # the constraint's fault: report it, keep serving
+            conn.send(("error", str(exc).strip().splitlines()[0] if str(exc).strip() else ""))
+
+
+class _Child:
+    """One worker process and our end of its pipe."""
+
+    def __init__(self, context: Any, tokenizer_info_json: str) -> None:
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(
+            target=worker_main,
+            args=(child_conn, tokenizer_info_json),
+            name="hiserve-grammar-compile",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class CompilePool:
+    """Compiles ``GrammarSpec``s in ``workers`` killable processes, each distinct one once."""
+
+    def __init__(
+        self,
+        tokenizer_info: Any,
+        workers: int,
+        timeout_s: float,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.info = tokenizer_info
+        self.timeout_s = timeout_s
+        self.cache_bytes = cache_bytes
+        self.start_timeout_s = start_timeout_s
+        self._info_json: str = tokenizer_info.serialize_json()
+        # NOTE: spawn, not fork: the parent runs torch and engine threads.
+        self._context = multiprocessing.get_context("spawn")
+        self._jobs: queue.Queue[tuple[GrammarSpec, Future[Any]] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: dict[GrammarSpec, Future[Any]] = {}
+        self._done: OrderedDict[GrammarSpec, tuple[Future[Any], int]] = OrderedDict()
+        self.cached_bytes = 0
+        self.kills = 0  # compiles killed at the timeout (tests, logs)
+        self._children: list[_Child | None] = [None] * workers
+        self._slots = [
+            threading.Thread(target=self._run_slot, args=(i,), name=f"hiserve-grammar-{i}")
+            for i in range(workers)
+        ]
+        for slot in self._slots:
+            slot.daemon = True
+            slot.start()
+
+    # ------------------------------------------------------------------ callers
+    def submit(self, spec: GrammarSpec) -> Future[Any]:
+        """The compiled grammar of ``spec``: cached, in flight, or queued now."""
+        with self._lock:
+            hit = self._done.get(spec)
+            if hit is not None:
+                self._done.move_to_end(spec)
+                return hit[0]
+            future = self._pending.get(spec)
+            if future is None:
+                future = Future()
+                self._pending[spec] = future
+                self._jobs.put((spec, future))
+            return future
+
+    def close(self) -> None:
+        for _ in self._slots:
+            self._jobs.put(None)
+        with self._lock:
+            children, self._children = self._children, [None] * len(self._children)
+        for child in children:
+            if child is not None:
+                child.kill()
+
+    # ------------------------------------------------------------------ slots
+    def _run_slot(self, slot: int) -> None:
+        try:
+            self._child(slot)  # start the worker now, not on the first request
+        except Exception as exc:
+            logger.warning("grammar compile worker %d did not start: %s", slot, exc)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            spec, future = job
+            try:
+                compiled = self._compile(slot, spec)
+            except GrammarError as exc:
+                with self._lock:
+                    self._pending.pop(spec, None)  # failures are not kept: a retry compiles
+                future.set_exception(exc)
+                continue
+            except Exception as exc:  # a dead worker, a broken pipe: this compile fails
+                logger.warning("grammar compile worker failed: %s", exc)
+                self._replace(slot)
+                with self._lock:
+                    self._pending.pop(spec, None)
+                future.set_exception(
+                    GrammarError(f"{spec.param}: cannot compile: {exc}", spec.param)
+                )
+                continue
+            self._keep(spec, future, compiled)
+            future.set_result(compiled)
+
+    def _child(self, slot: int) -> _Child:
+        child = self._children[slot]
+        if child is None or not child.process.is_alive():
+            child = _Child(self._context, self._info_json)
+            if not child.conn.poll(self.start_timeout_s):
+                child.kill()
+                raise RuntimeError("the compile worker did not start")
+            child.conn.recv()  # "ready"
+            with self._lock:
+                self._children[slot] = child
+        return child
+
+    def _replace(self, slot: int) -> None:
+        with self._lock:
+            child, self._children[slot] = self._children[slot], None
+        if child is not None:
+            child.kill()
+
+    def _compile(self, slot: int, spec: GrammarSpec) -> Any:
+        child = self._child(slot)
+        started = time.monotonic()
+        text = spec.value if spec.kind in ("json_schema", "regex") else spec.as_ebnf()
+        child.conn.send((spec.kind, text))
+        if not child.conn.poll(self.timeout_s):
+            self.kills += 1
+            self._replace(slot)  # the only way to stop a compile: its process goes
+            raise GrammarError(
+                f"{spec.param}: the constraint did not compile within {self.timeout_s:g} s "
+                "and its compile was stopped; simplify it (fewer or smaller length bounds, "
+                "shorter alternations) and retry",
+                spec.param,
+            )
+        status, payload = child.conn.recv()
+        if status != "ok":
+            raise GrammarError(f"{spec.param}: cannot compile: {payload}", spec.param)
+        import xgrammar as xgr
+
+        compiled = xgr.CompiledGrammar.deserialize_json(payload, self.info)
+        logger.debug(
+            "compiled %s grammar in %.1f ms", spec.kind, 1e3 * (time.monotonic() - started)
+        )
+        return compiled
+
+    def _keep(self, spec: GrammarSpec, future: Future[Any], compiled: Any) -> None:
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            self._pending.pop(spec, None)
+            if size > self.cache_bytes:
+                return  # served to its requests, never kept
+            self._done[spec] = (future, size)
+            self.cached_bytes += size
+            while self.cached_bytes > self.cache_bytes:
+                _, (_, evicted) = self._done.popitem(last=False)
+                self.cached_bytes -= evicted

@@ -1,0 +1,71 @@
+"""A prefix tree's node and the result of matching a key against the tree."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import NamedTuple
+
+import torch
+
+
+class TreeNode:
+    """One edge of the radix tree: ``key`` tokens and where their KV lives.
+
+    ``value``: device slots (int64, CPU tensor) or None once evicted from the device.
+    ``host_value``: host-tier slots or None (HiCache only).
+    ``storage_key``: key of the node's last page in the L3 store, once computed;
+    ``in_storage``: whether all its pages are known to be in that store (L3 only).
+    """
+
+    __slots__ = (
+        "children",
+        "hit_count",
+        "host_value",
+        "id",
+        "in_storage",
+        "key",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "storage_key",
+        "value",
+    )
+    _ids = itertools.count()
+
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None):
+        self.key = key
+        self.value = value
+        self.host_value: torch.Tensor | None = None
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = time.monotonic()
+        self.hit_count = 0
+        self.storage_key: str | None = None
+        self.in_storage = False
+        self.id = next(TreeNode._ids)
+
+    @property
+    def on_device(self) -> bool:
+        return self.value is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_value is not None
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.last_access < other.last_access
+
+
+class MatchResult(NamedTuple):
+    """Longest cached prefix of a key, split by tier."""
+
+    device_slots: torch.Tensor  # [device_len] slots of the device-resident part
+    device_node: TreeNode  # deepest device-resident matched node (root if none)
+    host_len: int  # tokens after the device part that exist on the host tier only
+    host_node: TreeNode  # deepest matched node overall (== device_node when host_len 0)
+
+    @property
+    def device_len(self) -> int:
+        return int(self.device_slots.numel())

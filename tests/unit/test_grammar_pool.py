@@ -1,0 +1,86 @@
+"""Killable grammar compiles and the byte-bounded cache (issue 25 item 7)."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xgrammar as xgr
+
+from engine.grammar import build_tokenizer_info
+from engine.grammar_pool import CompilePool
+from engine.grammar_spec import GrammarError, GrammarSpec
+
+# Four long strings of distinct lengths: about 9 s to compile on SmolLM2's 49K vocabulary.
+SLOW = GrammarSpec.json_schema(
+    {
+        "type": "object",
+        "properties": {
+            f"p{i}": {"type": "string", "minLength": 100 + i, "maxLength": 128} for i in range(4)
+        },
+    },
+    "response_format",
+)
+CHOICE = GrammarSpec.choice(["yes", "no"], "guided_choice")
+
+
+@pytest.fixture(scope="module")
+def real_info(default_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    return build_tokenizer_info(tokenizer, 49152, [0, 2])
+
+
+@pytest.fixture
+def toy_pool() -> Iterator[CompilePool]:
+    pieces = [*string.printable[:95], "<eos>"]
+    info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, stop_token_ids=[len(pieces) - 1])
+    pool = CompilePool(info, workers=1, timeout_s=60.0, cache_bytes=0)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.slow
+def test_a_timed_out_compile_is_killed_and_frees_its_worker(real_info: Any) -> None:
+    pool = CompilePool(real_info, workers=1, timeout_s=1.0)
+    try:
+        slow = pool.submit(SLOW)
+        queued = pool.submit(CHOICE)  # behind the slow one, on the only worker
+        with pytest.raises(GrammarError, match="compile was stopped") as info:
+            slow.result(timeout=120)
+        assert info.value.param == "response_format"
+        assert pool.kills == 1
+        # The worker was replaced: the queued constraint compiles and works.
+        matcher = xgr.GrammarMatcher(queued.result(timeout=120))
+        assert matcher.accept_string("yes") and matcher.is_completed()
+        # Nothing of the timed-out compile is kept: a retry compiles (and is killed) again.
+        assert pool.submit(SLOW) is not slow
+    finally:
+        pool.close()
+
+
+def test_the_cache_is_bounded_in_bytes(toy_pool: CompilePool) -> None:
+    specs = [GrammarSpec.regex(f"[a-z]{{1,{k}}}x", "regex") for k in (8, 9, 10)]
+    first = toy_pool.submit(specs[0])
+    size = int(first.result(timeout=120).memory_size_bytes)
+    assert toy_pool.submit(specs[0]) is not first  # a 0-byte cache keeps nothing
+    toy_pool.cache_bytes = 2 * size + size // 2  # room for two of these
+    kept = [toy_pool.submit(s) for s in specs]
+    for future in kept:
+        future.result(timeout=120)
+    assert toy_pool.cached_bytes <= toy_pool.cache_bytes
+    assert toy_pool.submit(specs[2]) is kept[2]  # recent: kept
+    assert toy_pool.submit(specs[0]) is not kept[0]  # least recent: evicted
+
+
+def test_failures_are_not_kept(toy_pool: CompilePool) -> None:
+    toy_pool.cache_bytes = 1 << 30
+    bad = GrammarSpec.ebnf("root ::= undefined_rule", "ebnf")
+    first = toy_pool.submit(bad)
+    with pytest.raises(GrammarError):
+        first.result(timeout=120)
+    assert toy_pool.submit(bad) is not first
