@@ -42,6 +42,22 @@ class AttentionBackend(abc.ABC):
         None where it cannot (the windowed PyTorch backend takes those layers)."""
         return None
 
+    # Whether rope_forward exists: RoPE and the K/V store in one kernel.
+    fuses_rope_store = False
+
+    def rope_forward(
+        self,
+        qk: torch.Tensor,  # [T, q_heads + kv_heads, head_dim] before RoPE
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:  # [T, q_heads * head_dim]
+        """RoPE, the K/V store and attention, for backends with ``fuses_rope_store``."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not fuse RoPE")
+
     def store_new_kv(
         self,
         k: torch.Tensor,  # [T, kv_heads, head_dim]

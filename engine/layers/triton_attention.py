@@ -35,6 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
 
         self._kernel = paged_attention.paged_attention
         self._store = fused.store_kv
+        self._rope_store = fused.rotary_store
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.scale = scale
@@ -56,6 +57,33 @@ class TritonAttentionBackend(AttentionBackend):
         # K and V rows in one launch instead of two index_put_.
         self._store(k, v, meta.out_slots, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id])
 
+    fuses_rope_store = True
+
+    def rope_forward(
+        self,
+        qk: torch.Tensor,  # [T, q_heads + kv_heads, head_dim] before RoPE
+        v: torch.Tensor,  # [T, kv_heads, head_dim]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:  # [T, q_heads * head_dim]
+        for load in meta.kv_loads:  # host-tier copies into this layer land first
+            load.wait_layer(layer_id)
+        q_heads = qk.shape[1] - kv_pool.kv_heads
+        q = self._rope_store(
+            qk,
+            v,
+            cos,
+            sin,
+            q_heads,
+            meta.out_slots,
+            kv_pool.k_buffers[layer_id],
+            kv_pool.v_buffers[layer_id],
+        )  # [T, q_heads, head_dim]
+        return self._attend(q, layer_id, meta, kv_pool)
+
     def forward(
         self,
         q: torch.Tensor,  # [T, q_heads, head_dim]
@@ -66,6 +94,13 @@ class TritonAttentionBackend(AttentionBackend):
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:  # [T, q_heads * head_dim]
         self.store_new_kv(k, v, layer_id, meta, kv_pool)
+        return self._attend(q, layer_id, meta, kv_pool)
+
+    def _attend(
+        self, q: torch.Tensor, layer_id: int, meta: AttentionMetadata, kv_pool: DeviceKVPool
+    ) -> torch.Tensor:
+        """Attention of the new tokens' q ``[T, q_heads, D]`` over the pool, which holds
+        their K/V already: ``[T, q_heads * D]``."""
         num_tokens, q_heads, head_dim = q.shape
         if q.stride(2) != 1:
             q = q.contiguous()

@@ -76,6 +76,9 @@ class LlamaAttention(nn.Module):
         # (x [T, H, D], cos, sin) -> rotated x; the fused CPU kernel replaces it on float32
         # CPU models (fused_cpu.use_fused_cpu_kernels).
         self.rotary_fn = apply_rotary
+        # Set by triton_ops.fused.use_triton_fused_ops where the backend does RoPE and the
+        # K/V store in one kernel (rope_forward); False: rotate here, the backend stores.
+        self.fused_rope_store = False
 
     def forward(
         self,
@@ -92,6 +95,12 @@ class LlamaAttention(nn.Module):
             num_tokens, qk_heads + self.kv_heads, self.head_dim
         )
         # [T, q_heads + kv_heads, head_dim]
+        if self.fused_rope_store:
+            attn = self.attn_backend.rope_forward(
+                self.norm_qk(qkv[:, :qk_heads]), qkv[:, qk_heads:], cos, sin,
+                self.layer_id, meta, kv_pool,
+            )  # fmt: skip
+            return self.o_proj.forward(attn)
         qk = self.rotary_fn(self.norm_qk(qkv[:, :qk_heads]), cos, sin)
         attn = self.attn_backend.forward(
             qk[:, : self.q_heads],  # [T, q_heads, head_dim]

@@ -1,5 +1,6 @@
 """Fused element-wise Triton kernels for GPUs: residual add + RMSNorm, SiLU(gate) x up,
-and RoPE over q and k in one pass (each one launch in place of two to eight ops).
+RoPE over q and k in one pass, and RoPE fused with the K/V store (each one launch in
+place of two to eight ops).
 
 They plug into the hooks the fused CPU kernels use (RMSNorm.fused_add_norm,
 GatedMLP.act_mul, LlamaAttention.rotary_fn); the PyTorch code stays the reference and
@@ -134,7 +135,12 @@ def use_triton_fused_ops(model: nn.Module) -> int:
         elif type(module) is GatedMLP and module.activation == "silu":
             module.act_mul = silu_mul
         elif getattr(module, "rotary_fn", None) is apply_rotary:
-            setattr(module, "rotary_fn", rotary)  # noqa: B010 (an nn.Module attribute)
+            backend = getattr(module, "attn_backend", None)
+            if getattr(backend, "fuses_rope_store", False):
+                # RoPE and the K/V store in the attention backend's one kernel.
+                setattr(module, "fused_rope_store", True)  # noqa: B010
+            else:
+                setattr(module, "rotary_fn", rotary)  # noqa: B010 (an nn.Module attribute)
         else:
             continue
         switched += 1
@@ -177,3 +183,61 @@ def store_kv(
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim),
         )  # fmt: skip
+
+
+@triton.jit
+def _rotary_store_kernel(
+    qk_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    q_heads, stride_xt, stride_xh, stride_vt, stride_vh, stride_ct, stride_st, stride_cs,
+    stride_ch, stride_ds, stride_dh, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads first, then kv heads
+    dims = tl.arange(0, BLOCK)
+    ok = dims < HEAD_DIM
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = tl.where(dims < half, dims + half, dims - half)
+    base = qk_ptr + token * stride_xt + head * stride_xh
+    x = tl.load(base + dims, mask=ok, other=0.0).to(tl.float32)
+    swapped = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token * stride_ct + dims, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_st + dims, mask=ok, other=0.0).to(tl.float32)
+    rotated = x * cos + swapped * sin
+    if head < q_heads:
+        tl.store(
+            q_out_ptr + (token * q_heads + head) * HEAD_DIM + dims,
+            rotated.to(q_out_ptr.dtype.element_ty),
+            mask=ok,
+        )
+    else:
+        kv_head = head - q_heads
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        k_dst = k_cache_ptr + slot * stride_cs + kv_head * stride_ch + dims
+        tl.store(k_dst, rotated.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        v = tl.load(v_ptr + token * stride_vt + kv_head * stride_vh + dims, mask=ok)
+        tl.store(v_cache_ptr + slot * stride_ds + kv_head * stride_dh + dims, v, mask=ok)
+
+
+def rotary_store(
+    qk: torch.Tensor,  # [T, q_heads + kv_heads, D] before RoPE (any row strides)
+    v: torch.Tensor,  # [T, kv_heads, D]
+    cos: torch.Tensor,  # [T, 1, D]
+    sin: torch.Tensor,  # [T, 1, D]
+    q_heads: int,
+    slots: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,  # [slots, kv_heads, D]
+    v_cache: torch.Tensor,
+) -> torch.Tensor:  # [T, q_heads, D] rotated q
+    """RoPE on q and k with the rotated K and V written straight to their pool slots: one
+    launch in place of RoPE's ops and the two stores. Returns the rotated q."""
+    num_tokens, heads, head_dim = qk.shape
+    assert qk.stride(2) == 1 and v.stride(2) == 1 and cos.stride(2) == 1
+    q_out = torch.empty((num_tokens, q_heads, head_dim), dtype=qk.dtype, device=qk.device)
+    if num_tokens:
+        _rotary_store_kernel[(num_tokens, heads)](
+            qk, v, cos, sin, q_out, slots, k_cache, v_cache, q_heads, qk.stride(0),
+            qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim),
+        )  # fmt: skip
+    return q_out
