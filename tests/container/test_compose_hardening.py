@@ -4,7 +4,6 @@ and no API key is ever put on a command line (ps shows every process's arguments
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +45,6 @@ def test_the_bench_key_comes_from_the_environment(services: dict[str, Any]) -> N
     for name in ONE_SHOT:
         assert "--api-key" not in services[name]["command"], name
         assert "HISERVE_API_KEY" in services[name]["environment"], name
-    done = subprocess.run(
-        ["hiserve-bench", "run", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert "HISERVE_API_KEY" in done.stdout
 
 
 def test_bench_takes_its_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
