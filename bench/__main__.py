@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import math
+import os
 import secrets
 import signal
 import sys
@@ -88,7 +89,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="Poisson arrivals per second; default inf: no pacing",
     )
     t.add_argument("--max-concurrency", type=int, default=None)
-    t.add_argument("--api-key", default=None)
+    t.add_argument(
+        "--api-key",
+        default=os.environ.get("HISERVE_API_KEY") or None,
+        help="bearer key of the target (default: $HISERVE_API_KEY, which keeps it out of ps)",
+    )
     t.add_argument(
         "--served-model-name",
         default=None,

@@ -143,8 +143,9 @@ class LaunchedServer:
             str(self._sock.fileno()),
             *server_flags(config, options),
         ]
-        if options.api_key:
-            self.command += ["--api-key", options.api_key]
+        # NOTE: the key goes to the server through its environment (HISERVE_API_KEY), never
+        # its command line, which any local user can read with ps.
+        self.api_key = options.api_key
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
 
@@ -168,6 +169,9 @@ class LaunchedServer:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p
             )
+        env.pop("HISERVE_API_KEY", None)
+        if self.api_key:
+            env["HISERVE_API_KEY"] = self.api_key
         fd, log_name = tempfile.mkstemp(prefix="hiserve-bench-server-", suffix=".log")
         self.log_path = Path(log_name)
         with os.fdopen(fd, "wb") as log:
