@@ -262,6 +262,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ public API
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks, for a caller that wants a bad field refused before it starts
+        anything (the server's plan); ``generate`` leaves them to ``add_request``."""
         self.engine.validate(prompt_ids, params)
 
     async def generate(
@@ -270,7 +272,8 @@ class AsyncEngine:
         """Yield snapshots of ``request_id`` until it finishes; closing the iterator aborts."""
         if not self._accepting:
             raise EngineOverloadedError("server is shutting down")
-        self.validate(prompt_ids, params)
+        # NOTE: no validation here: add_request, on the loop thread, is the engine's one
+        # check, and its InvalidRequestError comes back through the stream.
         waiting = self._stats.get("waiting", 0)
         if waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(

@@ -13,6 +13,7 @@ from engine.build import build_engine_parts
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_stats import EngineStats
+from engine.errors import InvalidRequestError
 from engine.grammar import GrammarBackend
 from engine.grammar_spec import check_spec
 from engine.kv_setup import KVSetup
@@ -77,23 +78,26 @@ class Engine:
         return [int(t) for t in prompt]
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field at fault."""
+        """Raise InvalidRequestError naming the field at fault (``prompt`` for the prompt)."""
         if not prompt_ids:
-            raise ValueError("prompt is empty; send at least one token")
+            raise InvalidRequestError("prompt is empty; send at least one token", param="prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            raise InvalidRequestError(
+                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                param="prompt",
             )
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens; the context length is "
-                f"{self.max_model_len}, which must also leave room for at least one output token"
+                f"{self.max_model_len}, which must also leave room for at least one output token",
+                param="prompt",
             )
         if len(prompt_ids) + 1 > self.kv.manager.capacity:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens but the KV pool holds only "
-                f"{self.kv.manager.capacity}; raise --kv-cache-tokens"
+                f"{self.kv.manager.capacity}; raise --kv-cache-tokens",
+                param="prompt",
             )
         params.validate(
             self.vocab_size,

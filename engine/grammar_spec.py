@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.errors import InvalidRequestError
+
 GrammarKind = Literal["json_schema", "regex", "choice", "ebnf"]
 
 # A constraint's text (schema, regex, grammar) may not be longer than this.
@@ -59,12 +61,13 @@ SUPPORTED_FORMATS = frozenset(
 UNENFORCED_KEYWORDS = ("multipleOf", "contains", "minContains", "maxContains", "not", "if")
 
 
-class GrammarError(ValueError):
+class GrammarError(InvalidRequestError):
     """A constraint the server cannot honour; ``param`` is the request field at fault."""
 
+    param: str
+
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarSpec
 
 if TYPE_CHECKING:
@@ -66,63 +67,84 @@ class SamplingParams:
         max_logprobs: int = 20,
         max_stop_chars: int = 512,
     ) -> None:
-        """Raise ValueError naming the offending field; every check is cheap (the lengths
+        """Raise InvalidRequestError naming the offending field; every check is cheap (the lengths
         are bounded before anything walks a list)."""
         # max_tokens 0 only scores the prompt: it needs prompt_logprobs to mean anything.
         least = 0 if self.prompt_logprobs is not None else 1
         if not isinstance(self.max_tokens, int) or self.max_tokens < least:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}"
-                + ("" if least == 0 else " (0 only when the prompt is scored)")
+                + ("" if least == 0 else " (0 only when the prompt is scored)"),
+                param="max_tokens",
             )
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(
+                f"temperature must be >= 0, got {self.temperature}", param="temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+            raise InvalidRequestError(
+                f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", param="top_k"
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise InvalidRequestError(
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+                param="presence_penalty",
+            )
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise InvalidRequestError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                param="frequency_penalty",
+            )
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
         if len(self.stop) > max_stop_strings:
-            raise ValueError(
-                f"stop has {len(self.stop)} strings; at most {max_stop_strings} are allowed"
+            raise InvalidRequestError(
+                f"stop has {len(self.stop)} strings; at most {max_stop_strings} are allowed",
+                param="stop",
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise InvalidRequestError("stop strings must be non-empty strings", param="stop")
         longest = max((len(s) for s in self.stop), default=0)
         if longest > max_stop_chars:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"stop strings may be at most {max_stop_chars} characters long "
-                f"(--max-stop-chars); one has {longest}"
+                f"(--max-stop-chars); one has {longest}",
+                param="stop",
             )
         if len(self.stop_token_ids) > max_stop_token_ids:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
-                f"{max_stop_token_ids} are allowed (--max-stop-token-ids)"
+                f"{max_stop_token_ids} are allowed (--max-stop-token-ids)",
+                param="stop_token_ids",
             )
         bad = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
         if bad:
-            raise ValueError(
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+            raise InvalidRequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                param="stop_token_ids",
             )
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                param="min_tokens",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
-            raise ValueError(
-                f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {self.logprobs}"
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {max_logprobs}] (--max-logprobs), got {self.logprobs}",
+                param="logprobs",
             )
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt_logprobs must be in [0, {max_logprobs}] (--max-logprobs), "
-                f"got {self.prompt_logprobs}"
+                f"got {self.prompt_logprobs}",
+                param="prompt_logprobs",
             )
 
 

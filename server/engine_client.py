@@ -11,12 +11,12 @@ import asyncio
 import contextlib
 import copy
 import functools
-import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError, StreamStalledError
+from engine.errors import InvalidRequestError
 from engine.request import RequestOutput, SamplingParams
 from server.cache_report import CacheReport
 from server.chat_tokens import ChatPromptEncoder
@@ -33,36 +33,13 @@ MERGE_QUEUE_PER_MEMBER = 4
 # Retry-After (seconds) sent with 503s.
 RETRY_AFTER_OVERLOADED = 1
 RETRY_AFTER_DEAD = 5
-_FIELD_RE = re.compile(r"^([a-z_]+)\b")
-# Request fields a message from SamplingParams.validate / Engine.validate may start with.
-_KNOWN_PARAMS = {
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "stop",
-    "stop_token_ids",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-    "prompt",
-    "seed",
-}
 
 
-def param_of(message: str, prompt_param: str = "prompt") -> str | None:
-    """The request field an engine ValueError is about (its message starts with it)."""
-    match = _FIELD_RE.match(message)
-    if match is None:
-        return None
-    name = match.group(1)
-    if name == "prompt":
-        return prompt_param
-    return name if name in _KNOWN_PARAMS else None
+def param_at_fault(exc: ValueError, prompt_param: str = "prompt") -> str | None:
+    """The request field an engine error names (InvalidRequestError and GrammarError carry
+    it; any other ValueError names none); ``prompt`` becomes the endpoint's prompt field."""
+    param = exc.param if isinstance(exc, InvalidRequestError) else None
+    return prompt_param if param == "prompt" else param
 
 
 def translate_engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError | None:
@@ -83,9 +60,7 @@ def translate_engine_error(exc: BaseException, prompt_param: str = "prompt") -> 
     if isinstance(exc, StreamStalledError):
         return APIError(408, str(exc), code="stream_stalled")
     if isinstance(exc, ValueError):
-        # A GrammarError knows its field; other messages start with it.
-        param = getattr(exc, "param", None) or param_of(str(exc), prompt_param)
-        return APIError(400, str(exc), param=param)
+        return APIError(400, str(exc), param=param_at_fault(exc, prompt_param))
     return None
 
 
@@ -262,8 +237,7 @@ class EngineClient:
         try:
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:
-            param = getattr(exc, "param", None) or param_of(str(exc), prompt_param)
-            raise APIError(400, str(exc), param=param) from exc
+            raise APIError(400, str(exc), param=param_at_fault(exc, prompt_param)) from exc
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise APIError(

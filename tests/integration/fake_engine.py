@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -66,10 +67,11 @@ class FakeEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}"
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}",
+                param="prompt",
             )
         params.validate(self.vocab_size)
 
