@@ -58,6 +58,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.req_table = req_table
         self.sampler = sampler
+        self.vocab_size: int = sampler.vocab_size  # prompt scoring slices logits to it
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.masker = masker  # the engine's, for constrained requests
@@ -175,7 +176,7 @@ class ModelRunner:
             return self.sampler(logits, sampling, self.eos_token_ids, mask)
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
         if not inputs.is_decode:
-            score_prompts(hidden, batch, self.model.compute_logits, self.sampler.vocab_size)
+            score_prompts(hidden, batch, self.model.compute_logits, self.vocab_size)
         if not sampling:
             return None
         if len(sampling) != hidden.shape[0]:
