@@ -234,13 +234,21 @@ def test_compile_failure_and_timeout_end_the_request(backend: GrammarBackend) ->
 
 
 class _SlowMatcher:
-    """A matcher whose mask fill takes ``fill_s`` (an ambiguous grammar's late steps)."""
+    """A matcher whose mask fill computes for ``fill_s`` of CPU time (an ambiguous
+    grammar's late steps), or only waits that long with ``busy=False`` (a thread held up
+    by the OS or the GIL, which is not the grammar's cost)."""
 
-    def __init__(self, fill_s: float) -> None:
+    def __init__(self, fill_s: float, busy: bool = True) -> None:
         self.fill_s = fill_s
+        self.busy = busy
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
-        time.sleep(self.fill_s)
+        if not self.busy:
+            time.sleep(self.fill_s)
+            return True
+        end = time.thread_time() + self.fill_s
+        while time.thread_time() < end:
+            pass
         return True
 
     def accept_token(self, token_id: int) -> bool:
@@ -267,6 +275,18 @@ def test_a_step_over_the_budget_is_an_error_naming_the_field(backend: GrammarBac
     error = slow.over_budget()
     assert isinstance(error, GrammarError) and error.param == "guided_regex"
     assert "above the 50 ms budget" in str(error)
+
+
+def test_a_step_that_only_waited_is_within_the_budget(backend: GrammarBackend) -> None:
+    """The budget counts the grammar's CPU time: a loaded machine that holds the engine
+    thread up for longer than the budget does not end a well-formed request."""
+    req = make_req(backend, GrammarSpec.regex("[a-z]+", "guided_regex"), 1)
+    assert req.grammar is not None
+    req.grammar.matcher = _SlowMatcher(0.08, busy=False)
+    req.grammar.step_budget_s = 0.05
+    TokenMasker(MODEL_VOCAB, CPU).fill([req])
+    assert req.grammar.accept(5)
+    assert req.grammar.over_budget() is None
 
 
 def test_a_queued_compile_waits_for_a_worker_but_a_running_one_is_timed(
