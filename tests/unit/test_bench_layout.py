@@ -17,6 +17,7 @@ TOP = {
     "compare",
     "fleet",
     "grammar",
+    "grammar_abuse",
     "hicache_offline",
     "http_cost",
     "l3",
@@ -27,6 +28,7 @@ TOP = {
     "report",
     "runner",
     "stats",
+    "weights",
     "words",
     "workloads",
 }
