@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -14,16 +15,12 @@ import pytest
 from tests.integration.conftest import ServerProcess, wait_until
 
 
-def _worker_pids(parent: int) -> list[int]:
-    """Children of ``parent`` started by multiprocessing's spawn (not its resource tracker)."""
-    pids: list[int] = []
-    for task in Path(f"/proc/{parent}/task").iterdir():
-        children = (task / "children").read_text().split()
-        for child in map(int, children):
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-            if b"spawn_main" in cmdline:
-                pids.append(child)
-    return pids
+def _worker_pids(log: str) -> list[int]:
+    """The tensor-parallel workers' pids, as the start-up log names them (the server has
+    other spawned children too: the grammar compile workers)."""
+    match = re.search(r"tensor parallel: \d+ ranks on .*, workers \[([\d, ]+)\]", log)
+    assert match is not None, "the start-up log names no tensor-parallel workers"
+    return [int(pid) for pid in match.group(1).split(",")]
 
 
 def _unhealthy(base_url: str) -> bool:
@@ -54,7 +51,7 @@ def test_tp_server_serves_and_exits_nonzero_when_a_rank_dies(
             model=client.models.list().data[0].id, prompt="Hello", max_tokens=4, temperature=0
         )
         assert out.usage is not None and out.usage.completion_tokens == 4
-        workers = _worker_pids(server.proc.pid)
+        workers = _worker_pids(server.log_text())
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)
         assert wait_until(lambda: _unhealthy(server.base_url), timeout=60)
