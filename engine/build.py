@@ -120,6 +120,7 @@ def _build_on(
         model_path,
         table_journal=tp.table_journal if tp is not None else None,
         make_transfer=make_transfer,
+        weights_tag=weights.tag,
     )
     graphs: DecodeGraphRunner | None = build_decode_graphs(config, model, kv, device_spec, device)
     mixed = config.enable_mixed_batches

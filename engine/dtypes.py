@@ -72,6 +72,13 @@ class WeightFormat:
     # bf16 for the packed-weight kernel (engine/models/bf16_weights.py).
     bf16_weights: bool = False
 
+    @property
+    def tag(self) -> str:
+        """The weight format in one word (part of the L3 namespace)."""
+        if self.packed_gguf:
+            return "packed-gguf"
+        return "bf16-weights" if self.bf16_weights else "dense"
+
 
 def choose_weights(name: str, spec: DeviceSpec, gguf: bool, tp_size: int = 1) -> WeightFormat:
     """What ``--dtype name`` means for the weights of a model on ``spec``.

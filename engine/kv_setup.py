@@ -75,9 +75,12 @@ def build_kv(
     model_path: Path | None = None,
     table_journal: TableJournal | None = None,
     make_transfer: TransferFactory = KVTransfer,
+    weights_tag: str = "dense",
 ) -> KVSetup:
     """The KV side of one engine. Tensor parallel (rank 0) passes ``table_journal`` and
-    ``make_transfer`` so that the other ranks can mirror every table write and copy."""
+    ``make_transfer`` so that the other ranks can mirror every table write and copy.
+    ``weights_tag`` names the weight format (dense, packed GGUF, bf16 weights): KV
+    computed from another format is another L3 namespace."""
     shape = kv_shape(hf_config)
     per_token = DeviceKVPool.token_bytes(*shape, dtype)
     tokens = kv_pool_tokens(config, spec, per_token)
@@ -93,7 +96,7 @@ def build_kv(
         from engine.kvcache.hicache_setup import build_hicache  # L3 stores load on demand
 
         tree, host_pool = build_hicache(
-            config, allocator, device_pool, spec, model_path, make_transfer
+            config, allocator, device_pool, spec, model_path, make_transfer, weights_tag
         )
     else:
         tree = RadixCache(allocator, enabled=config.enable_prefix_cache)

@@ -29,7 +29,10 @@ def digest_cache(config: EngineConfig) -> Path:
 
 
 def build_storage(
-    config: EngineConfig, host_pool: HostKVPool, model_path: Path | None
+    config: EngineConfig,
+    host_pool: HostKVPool,
+    model_path: Path | None,
+    weights_tag: str = "dense",
 ) -> StorageTier | None:
     """The L3 tier named by --hicache-storage-backend, or None."""
     if config.hicache_storage_backend == "none":
@@ -58,6 +61,7 @@ def build_storage(
         host_pool.num_layers,
         host_pool.kv_heads,
         host_pool.head_dim,
+        weights=weights_tag,
     )
     logger.info(
         "HiCache L3: %s store, prefetch %s (threshold %d tokens), namespace %s",
@@ -83,6 +87,7 @@ def build_hicache(
     spec: platform.DeviceSpec,
     model_path: Path | None = None,
     make_transfer: TransferFactory = KVTransfer,
+    weights_tag: str = "dense",
 ) -> tuple[HiRadixCache, HostKVPool]:
     """Size the host tier (--hicache-size GB, else --hicache-ratio x device pool)."""
     per_token = device_pool.bytes_per_token
@@ -121,7 +126,7 @@ def build_hicache(
         config.hicache_write_policy,
         config.hicache_load_threshold,
         spec,
-        build_storage(config, host_pool, model_path),
+        build_storage(config, host_pool, model_path, weights_tag),
         make_transfer(device_pool, host_pool, spec),
     )
     return tree, host_pool

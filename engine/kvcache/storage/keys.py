@@ -37,6 +37,9 @@ class KVNamespace:
     kv_heads: int
     head_dim: int
     shard: str = "tp0of1"
+    # The weight format the KV was computed with: dense, packed-gguf or bf16-weights
+    # (the same checkpoint read three ways gives three slightly different KVs).
+    weights: str = "dense"
 
     def digest(self) -> str:
         fields = {"schema": SCHEMA_VERSION, **asdict(self)}
