@@ -184,3 +184,76 @@ def test_tool_prompt_and_history_are_written_for_a_template_without_tools(fake: 
     assert "<tools>" in prompt and '"get_weather"' in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tool_response>\n21 C\n</tool_response>" in prompt
+
+
+# ---------------------------------------------------------------- arguments as they are written
+
+LONG_CITY = "Llanfairpwllgwyngyllgogerychwyrndrobwllllantysiliogogogoch, Wales"
+LONG_REPLY = (
+    "Checking.\n<tool_call>\n"
+    f'{{"name": "get_weather", "arguments": {{"city": "{LONG_CITY}", "unit": "c"}}}}\n'
+    "</tool_call>"
+)
+
+
+def streamed_with_helper(srv: Any, **kw: Any) -> tuple[list[Any], Any]:
+    """The events of the official client's streaming helper, and its accumulated reply."""
+    client = client_of(srv)
+    with client.chat.completions.stream(model="fake-model", messages=USER, **kw) as stream:
+        events = list(stream)
+        return events, stream.get_final_completion()
+
+
+@pytest.mark.parametrize(
+    "reply,kw",
+    [
+        (LONG_REPLY, {}),
+        (
+            f'[{{"name": "get_weather", "parameters": {{"city": "{LONG_CITY}"}}}}]',
+            {"tool_choice": "required"},
+        ),
+        (
+            f'{{"city": "{LONG_CITY}", "unit": "f"}}',
+            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        ),
+    ],
+    ids=["auto", "required", "named"],
+)
+def test_arguments_stream_as_they_are_written(fake: Fake, reply: str, kw: dict[str, Any]) -> None:
+    engine, srv = fake
+    engine.reply = reply
+    whole = client_of(srv).chat.completions.create(
+        model="fake-model", messages=USER, tools=[WEATHER, TIME], **kw
+    )
+    events, final = streamed_with_helper(srv, tools=[WEATHER, TIME], **kw)
+    # The helper's accumulation of the deltas is the non-streamed message.
+    assert same_calls(calls_of(final.choices[0]), calls_of(whole.choices[0]))
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert LONG_CITY in json.loads(calls_of(whole.choices[0])[0]["arguments"])["city"]
+    # The id and name come first, alone; the arguments follow in many fragments.
+    fragments = [
+        call
+        for e in events
+        if e.type == "chunk"
+        for choice in e.chunk.choices
+        for call in choice.delta.tool_calls or []
+    ]
+    first = fragments[0]
+    assert first.id and first.function.name == "get_weather" and not first.function.arguments
+    with_text = [f for f in fragments[1:] if f.function and f.function.arguments]
+    assert len(with_text) > len(LONG_CITY) // 2
+    assert all(f.id is None and f.function.name is None for f in with_text)
+    assert sum(e.type == "tool_calls.function.arguments.delta" for e in events) > 1
+
+
+def test_a_cut_call_ends_the_stream_with_length(fake: Fake) -> None:
+    """A call already streaming cannot be taken back: the stream ends with the partial call
+    and finish_reason length (as OpenAI streams it); the whole reply is then content."""
+    engine, srv = fake
+    engine.reply = LONG_REPLY
+    whole, (content, calls, finish) = both_ways(srv, tools=[WEATHER], max_tokens=80)
+    assert whole.finish_reason == "length" == finish
+    assert whole.message.content == LONG_REPLY[:80] and whole.message.tool_calls is None
+    assert content == "Checking." and len(calls) == 1 and calls[0]["name"] == "get_weather"
+    # What was written of the arguments before the cut (already canonical here).
+    assert calls[0]["arguments"] == LONG_REPLY[:80].split('"arguments": ')[1]
