@@ -13,9 +13,7 @@ from engine import Engine, EngineConfig
 
 
 def test_a_scoring_request_costs_one_prefill_cached_or_not(tiny_llama_dir: Path) -> None:
-    engine = Engine(
-        EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_tokens=1024)
-    )
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_tokens=1024))
     try:
         prompts = [[100 + i + 7 * j for i in range(40)] for j in range(3)]
         total = sum(len(p) for p in prompts)
