@@ -27,6 +27,7 @@ TOP = {
     "offline",
     "report",
     "runner",
+    "scoring_cost",
     "stats",
     "weights",
     "words",
