@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from engine.kv_setup import KVSetup
+from engine.kvcache.miss_reasons import MISS_REASONS
 from engine.request import Req
 from engine.scheduler import ScheduledBatch, Scheduler
 
@@ -18,6 +19,8 @@ ENGINE_COUNTERS = (
     "cached_tokens_host_total",
     "cached_tokens_storage_total",
     "requests_finished_total",
+    # prompt tokens that missed the cache, by reason (engine/kvcache/miss_reasons.py)
+    *(f"prompt_tokens_missed_{reason}_total" for reason in MISS_REASONS),
 )
 
 
@@ -35,6 +38,8 @@ class EngineStats:
         self.counters["cached_tokens_device_total"] += req.cached_device
         self.counters["cached_tokens_host_total"] += req.cached_host
         self.counters["cached_tokens_storage_total"] += req.cached_storage
+        for reason, tokens in req.miss_reasons.as_dict().items():
+            self.counters[f"prompt_tokens_missed_{reason}_total"] += tokens
 
     def snapshot(self) -> dict[str, float]:
         """KV use per tier, queue lengths and every counter, as ``Engine.stats()`` returns."""

@@ -57,6 +57,7 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
         cached_tokens_device=req.cached_device,
         cached_tokens_host=req.cached_host,
         cached_tokens_storage=req.cached_storage,
+        cache_miss_reasons=req.miss_reasons,
         logprobs=list(req.logprobs) if want_logprobs and finished else None,
         new_logprobs=new_logprobs,
         prompt_logprobs=prompt_logprobs,

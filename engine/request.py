@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarSpec
+from engine.kvcache.miss_reasons import MissReasons
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
@@ -175,6 +176,8 @@ class RequestOutput:
     cached_tokens_device: int
     cached_tokens_host: int
     cached_tokens_storage: int = 0  # read from the L3 store, then loaded back
+    # Why the uncached prompt tokens missed: cached_tokens + its total == prompt tokens.
+    cache_miss_reasons: MissReasons = field(default_factory=MissReasons)
     logprobs: list[TokenLogprob] | None = None  # final output: all of them, when requested
     new_logprobs: list[TokenLogprob] | None = None
     # A scored prompt: None for its first token, then one entry per prompt token. On the
@@ -224,6 +227,9 @@ class Req:
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0  # prompt tokens read from the L3 store (then loaded back)
+    # Why the rest of the prompt missed (engine/kvcache/miss_reasons.py): cached_* plus
+    # these add up to the prompt tokens.
+    miss_reasons: MissReasons = field(default_factory=MissReasons)
     reported_cache: bool = False
     num_retractions: int = 0
     arrival_seq: int = 0  # order of arrival at the scheduler

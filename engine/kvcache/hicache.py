@@ -179,6 +179,7 @@ class HiRadixCache(RadixCache):
 
     def _drop_host_subtree(self, node: TreeNode) -> None:
         assert node.value is None, "device nodes never hang below a deleted node"
+        self.evicted_pages.record(node, self.page_size)
         for child in node.children.values():
             self._drop_host_subtree(child)
         self._free_host(node)

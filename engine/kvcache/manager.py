@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
+from engine.kvcache.evicted_pages import end_digest
+from engine.kvcache.miss_reasons import MissReasons, attribute
 from engine.kvcache.req_table import ReqTable
 from engine.kvcache.tree_base import MatchResult, PrefixTree
 from engine.request import Req
@@ -29,6 +31,8 @@ class KVCacheManager:
         self.page_size = allocator.page_size
         self._prefetches: dict[str, Any] = {}  # request id -> its L3 prefetch in flight
         self._from_storage: dict[str, int] = {}  # request id -> tokens its prefetch added
+        # request id -> prompt positions its prefetch asked the store for in vain
+        self._late: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -60,8 +64,9 @@ class KVCacheManager:
             self.tree.touch(match)
         # Lock before any load-back: its allocation may evict, never our own prefix.
         self.tree.lock(match.device_node)
-        device_hit = match.device_len
+        device_hit, host_len = match.device_len, match.host_len
         from_storage = self._from_storage.pop(req.request_id, 0)
+        late = self._late.pop(req.request_id, None)
         if match.host_len > 0:
             loaded = self.tree.load_back(match)
             if loaded.device_node is not match.device_node:
@@ -77,7 +82,33 @@ class KVCacheManager:
             req.cached_device = device_hit
             req.cached_storage = from_storage if loaded_len >= from_storage else 0
             req.cached_host = loaded_len - req.cached_storage
+            left = (device_hit, device_hit + host_len) if host_len and not loaded_len else None
+            req.miss_reasons = self._miss_reasons(req, match.device_len, left, late)
             req.reported_cache = True
+
+    def _miss_reasons(
+        self,
+        req: Req,
+        cached_len: int,
+        not_loaded: tuple[int, int] | None,
+        late: tuple[int, int] | None,
+    ) -> MissReasons:
+        """Why the prompt tokens of a just-admitted ``req`` past its ``cached_len`` cached
+        ones missed (engine/kvcache/miss_reasons.py). ``req.last_node`` ends the cached
+        prefix; the evicted pages are looked for after the host and store spans."""
+        key = self._match_key(req)
+        cacheable = len(key) - len(key) % self.page_size
+        resume = cached_len
+        for span in (not_loaded, late):
+            if span is not None and span[0] <= resume:
+                resume = max(resume, min(span[1], cacheable))
+        prior = end_digest(req.last_node, self.page_size)
+        seen = self.tree.evicted_pages.seen_len(
+            prior, key[cached_len:cacheable], self.page_size, skip=resume - cached_len
+        )
+        return attribute(
+            len(req.prompt_ids), cacheable, cached_len, (resume, resume + seen), not_loaded, late
+        )
 
     # ------------------------------------------------------------------ L3 prefetch
     def prefetch_ready(self, req: Req, match: MatchResult) -> MatchResult | None:
@@ -102,11 +133,14 @@ class KVCacheManager:
         del self._prefetches[req.request_id]
         added = self.tree.finish_prefetch(prefetch, key)
         self._from_storage[req.request_id] = added
+        if prefetch.late is not None:
+            self._late[req.request_id] = prefetch.late
         return self.tree.match_prefix(key, touch=False) if added else match
 
     def drop_prefetch(self, req: Req) -> None:
         """``req`` left the queue for good: give up its prefetch, if any."""
         self._from_storage.pop(req.request_id, None)
+        self._late.pop(req.request_id, None)
         prefetch = self._prefetches.pop(req.request_id, None)
         if prefetch is not None:
             self.tree.cancel_prefetch(prefetch)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.evicted_pages import EvictedPages
 from engine.kvcache.tree_base import PrefixTree
 from engine.kvcache.tree_node import MatchResult, TreeNode
 
@@ -29,6 +30,7 @@ class RadixCache(PrefixTree):
         self.page_size = allocator.page_size
         self.enabled = enabled
         self.evicted_device_tokens = 0
+        self.evicted_pages = EvictedPages()
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -227,6 +229,7 @@ class RadixCache(PrefixTree):
 
     def _delete(self, node: TreeNode) -> None:
         assert not node.children and node.parent is not None
+        self.evicted_pages.record(node, self.page_size)
         del node.parent.children[self._page_key(node.key)]
         node.parent = None
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.kvcache.evicted_pages import EvictedPages
 from engine.kvcache.tree_node import MatchResult, TreeNode
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class PrefixTree(ABC):
     cached_tokens: int  # device tokens held by nodes
     protected_tokens: int  # device tokens held by locked nodes
     evicted_device_tokens: int
+    # Pages dropped from every tier (digests, bounded): tells "evicted" from "never seen".
+    evicted_pages: EvictedPages
     # The L3 tier below the host tier, if any (HiCache with --hicache-storage-backend).
     storage: StorageTier | None = None
 

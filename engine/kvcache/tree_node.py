@@ -16,10 +16,13 @@ class TreeNode:
     ``host_value``: host-tier slots or None (HiCache only).
     ``storage_key``: key of the node's last page in the L3 store, once computed;
     ``in_storage``: whether all its pages are known to be in that store (L3 only).
+    ``digest``: page-chain digest of the prefix that ends with it, once computed
+    (engine/kvcache/evicted_pages.py).
     """
 
     __slots__ = (
         "children",
+        "digest",
         "hit_count",
         "host_value",
         "id",
@@ -44,6 +47,7 @@ class TreeNode:
         self.hit_count = 0
         self.storage_key: str | None = None
         self.in_storage = False
+        self.digest: int | None = None
         self.id = next(TreeNode._ids)
 
     @property

@@ -31,6 +31,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.model_files": 0,
     "engine.errors": 0,
     "engine.request": 1,
+    "engine.kvcache.miss_reasons": 1,  # plain counts a request carries
     "engine.kvcache": 2,
     "engine.outputs": 2,
     "engine.grammar_pool": 1,

@@ -43,6 +43,9 @@ class Prefetch:
         self.landed = 0
         self.cancelled = False
         self.miss_reason: str | None = None  # why it found nothing, for the log
+        # Prompt positions [start, end) the store was asked for and did not deliver in
+        # time (past the deadline, or a failed call): the storage_timeout miss reason.
+        self.late: tuple[int, int] | None = None
 
     @property
     def overdue(self) -> bool:

@@ -241,6 +241,7 @@ class StorageTier:
         if not prefetch.lookup.done():
             if prefetch.overdue:
                 prefetch.miss_reason = "lookup timed out"
+                prefetch.late = (prefetch.start, prefetch.start + len(prefetch.tokens))
                 self._judge(False)
             return prefetch.overdue
         try:
@@ -248,6 +249,7 @@ class StorageTier:
         except Exception as exc:
             self._judge(False)
             prefetch.miss_reason = f"lookup failed: {exc}"
+            prefetch.late = (prefetch.start, prefetch.start + len(prefetch.tokens))
             return True
         if hits * self.page_size < self.prefetch_threshold:
             return True  # a plain miss
@@ -271,6 +273,7 @@ class StorageTier:
             self._reading.remove(prefetch)
             read = prefetch.read
             assert read is not None
+            late = True
             if read.done() and read.exception() is not None:
                 self._judge(False)
                 prefetch.miss_reason = f"read failed: {read.exception()}"
@@ -280,10 +283,14 @@ class StorageTier:
                     self._judge(False)
                     prefetch.miss_reason = "read timed out"
             else:
+                late = False  # read whole, or the store lacked a page: not a late read
                 self._judge(prefetch.landed > 0)
             keep = prefetch.landed * self.page_size
             if keep < self.prefetch_threshold:
                 keep = 0
+            if late:
+                hits = int(prefetch.slots.numel())
+                prefetch.late = (prefetch.start + keep, prefetch.start + hits)
             self._release_unread(prefetch, keep)
         if keep == 0:
             self._miss(prefetch.miss_reason)
