@@ -55,7 +55,7 @@ class KVCacheManager:
         the tree in between); it is then not matched a second time."""
         req.row = self.req_table.alloc_row()
         if match is None:
-            match = self.tree.match_prefix(self._match_key(req))
+            match = self.tree.match_prefix(self._match_key(req), salt=req.cache_salt)
         else:
             self.tree.touch(match)
         # Lock before any load-back: its allocation may evict, never our own prefix.
@@ -93,7 +93,7 @@ class KVCacheManager:
         key = self._match_key(req)
         prefetch = self._prefetches.get(req.request_id)
         if prefetch is None:
-            prefetch = self.tree.start_prefetch(match, key)
+            prefetch = self.tree.start_prefetch(match, key, req.cache_salt)
             if prefetch is None:
                 return match
             self._prefetches[req.request_id] = prefetch
@@ -102,7 +102,9 @@ class KVCacheManager:
         del self._prefetches[req.request_id]
         added = self.tree.finish_prefetch(prefetch, key)
         self._from_storage[req.request_id] = added
-        return self.tree.match_prefix(key, touch=False) if added else match
+        if not added:
+            return match
+        return self.tree.match_prefix(key, touch=False, salt=req.cache_salt)
 
     def drop_prefetch(self, req: Req) -> None:
         """``req`` left the queue for good: give up its prefetch, if any."""
@@ -130,7 +132,7 @@ class KVCacheManager:
 
     def match(self, req: Req) -> MatchResult:
         """``req``'s longest cached prefix, without locking or touching anything."""
-        return self.tree.match_prefix(self._match_key(req), touch=False)
+        return self.tree.match_prefix(self._match_key(req), touch=False, salt=req.cache_salt)
 
     def peek_prefix_len(self, req: Req) -> int:
         """Device-cached prefix length without locking (for the lpm policy)."""
@@ -185,10 +187,10 @@ class KVCacheManager:
             return
         key = req.all_ids[:aligned]
         slots = self.req_table.read(req.row, 0, aligned)
-        already = self.tree.insert(key, slots)
+        already = self.tree.insert(key, slots, req.cache_salt)
         if already > req.prefix_len:
             self.allocator.free(slots[req.prefix_len : already])
-        match = self.tree.match_prefix(key, touch=False)
+        match = self.tree.match_prefix(key, touch=False, salt=req.cache_salt)
         assert match.device_len == aligned, "a just-inserted prefix must match in full"
         self.tree.lock(match.device_node)
         self.tree.unlock(req.last_node)
@@ -206,7 +208,7 @@ class KVCacheManager:
         page = self.page_size
         aligned = kv_len - (kv_len - req.prefix_len) % page if self.tree.enabled else req.prefix_len
         if self.tree.enabled and aligned > req.prefix_len:
-            already = self.tree.insert(req.all_ids[:aligned], slots[:aligned])
+            already = self.tree.insert(req.all_ids[:aligned], slots[:aligned], req.cache_salt)
             # Tokens the tree already held were computed twice; drop this copy.
             if already > req.prefix_len:
                 self.allocator.free(slots[req.prefix_len : already])

@@ -30,6 +30,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.detokenizer": 0,
     "engine.model_files": 0,
     "engine.errors": 0,
+    "engine.cache_salt": 0,
     "engine.request": 1,
     "engine.kvcache": 2,
     "engine.outputs": 2,
