@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.build import build_engine_parts
+from engine.cache_salt import salt_digest
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_stats import EngineStats
@@ -130,7 +131,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Req(request_id, prompt_ids, params)
+        req = Req(request_id, prompt_ids, params, cache_salt=salt_digest(params.cache_salt))
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         if params.seed is not None:
             req.generator = make_generator(params.seed, self.device)

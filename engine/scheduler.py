@@ -179,6 +179,8 @@ class Scheduler:
         key = req.all_ids[: req.seq_len - 1]  # what admission matches against the tree
         # Waiting pays once it saves a whole page (the tree caches whole pages only).
         for other in in_flight:
+            if other.cache_salt != req.cache_salt:
+                continue  # another tenant's pages are never this request's hit
             if common_prefix_len(key, other.prompt_ids) - cached_len >= self.kv.page_size:
                 return True
         return False

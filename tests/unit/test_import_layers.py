@@ -30,6 +30,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.detokenizer": 0,
     "engine.model_files": 0,
     "engine.errors": 0,
+    "engine.cache_salt": 0,
     "engine.request": 1,
     "engine.kvcache.miss_reasons": 1,  # plain counts a request carries
     "engine.kvcache": 2,
