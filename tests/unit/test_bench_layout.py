@@ -29,6 +29,10 @@ TOP = {
     "runner",
     "stats",
     "weights",
+    "whatif",
+    "whatif_grid",
+    "whatif_lru",
+    "whatif_sim",
     "words",
     "workloads",
 }

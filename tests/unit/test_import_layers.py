@@ -31,6 +31,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.model_files": 0,
     "engine.errors": 0,
     "engine.request": 1,
+    "engine.cache_trace": 0,
     "engine.kvcache": 2,
     "engine.outputs": 2,
     "engine.grammar_pool": 1,
