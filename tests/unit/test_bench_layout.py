@@ -30,6 +30,10 @@ TOP = {
     "scoring_cost",
     "stats",
     "weights",
+    "whatif",
+    "whatif_grid",
+    "whatif_lru",
+    "whatif_sim",
     "words",
     "workloads",
 }

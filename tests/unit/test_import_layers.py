@@ -33,6 +33,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.cache_salt": 0,
     "engine.request": 1,
     "engine.kvcache.miss_reasons": 1,  # plain counts a request carries
+    "engine.cache_trace": 0,
     "engine.kvcache": 2,
     "engine.outputs": 2,
     "engine.grammar_pool": 1,
