@@ -114,6 +114,7 @@ def create_app(
                 max_choice_prompt_tokens=args.max_choice_prompt_tokens,
                 trust_special_tokens=args.trust_message_special_tokens,
                 cache_report=CacheReport(args.cached_tokens_scope),
+                require_cache_salt=args.require_cache_salt,
             )
             print(summary_line(args, engine.health()), flush=True)
             watch = getattr(engine, "watch_fatal", None)

@@ -56,6 +56,7 @@ class ServerArgs:
     # Settings the server chose for the operator, one sentence each, for the start-up log.
     notes: tuple[str, ...] = ()
     cached_tokens_scope: str = "all"  # what cached_tokens reports (server/cache_report.py)
+    require_cache_salt: bool = False  # requests without a cache_salt get a 400
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -83,6 +84,7 @@ class ServerArgs:
             trust_message_special_tokens=self.trust_message_special_tokens,
             tool_call_parser=self.tool_call_parser,
             cached_tokens_scope=self.cached_tokens_scope,
+            require_cache_salt=self.require_cache_salt,
         )
         return out
 
@@ -268,6 +270,7 @@ def parse_args(
         tool_call_parser=values["tool_call_parser"],
         notes=tuple(notes),
         cached_tokens_scope=values["cached_tokens_scope"],
+        require_cache_salt=bool(values["require_cache_salt"]),
     )
 
 

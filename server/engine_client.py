@@ -79,8 +79,10 @@ class EngineClient:
         max_choice_prompt_tokens: int = 131072,
         trust_special_tokens: bool = False,
         cache_report: CacheReport | None = None,
+        require_cache_salt: bool = False,
     ) -> None:
         self.engine = engine
+        self.require_cache_salt = require_cache_salt
         self.cache_report = cache_report or CacheReport("all")
         self.tokenizer = engine.tokenizer
         self.max_choices = max_choices

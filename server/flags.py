@@ -266,6 +266,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         default="all",
         choices=CACHED_TOKENS_SCOPES,
     ),
+    FlagSpec(
+        "require-cache-salt",
+        "refuse (400) requests without a cache_salt: every tenant's cached KV stays its own "
+        "(multi-tenant deployments; see docs/cache-security.md)",
+        kind="bool",
+        default=False,
+    ),
     FlagSpec("log-level", "logging level", kind="str", default="info", choices=LOG_LEVELS),
     FlagSpec(
         "max-body-bytes",

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from engine.cache_salt import MAX_CACHE_SALT_CHARS
+
 MAX_N = 128
 SEED_MAX = 2**63 - 1
 
@@ -47,6 +49,11 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's name: the tenant whose cached KV this request may reuse (every tier); see
+    # docs/cache-security.md. The engine checks it again (engine/cache_salt.py).
+    cache_salt: StrictStr | None = Field(
+        default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS
+    )
     # vLLM/SGLang extras
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)

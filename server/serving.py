@@ -58,6 +58,15 @@ def check_request(req: _SamplingRequest, client: EngineClient, num_prompts: int 
             param="model",
             code="model_not_found",
         )
+    if client.require_cache_salt and req.cache_salt is None:
+        raise APIError(
+            400,
+            "this server keeps each tenant's cached prompts apart and requires a cache_salt "
+            "(--require-cache-salt): send a secret string naming your tenant, e.g. "
+            '"cache_salt": "<a random token of your team>"',
+            param="cache_salt",
+            code="cache_salt_required",
+        )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -181,6 +190,7 @@ def make_plan(
         )
         base.grammar = grammar
         base.group = base_id  # every copy shares ``base``: the scheduler takes turns
+        base.cache_salt = req.cache_salt
         base.prompt_logprobs = prompt_logprobs
         client.validate(prompt, base, prompt_param)
         if logprobs is not None:
