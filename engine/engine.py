@@ -21,7 +21,7 @@ from engine.grammar_spec import check_spec
 from engine.kv_setup import KVSetup
 from engine.outputs import check_stop, make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
-from engine.sampler import make_generator
+from engine.sampler import SamplerOutput, make_generator
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger("hiserve.engine")
@@ -179,7 +179,7 @@ class Engine:
                 self.kv.manager.wait_prefetches(timeout=0.01)
             return outputs
         started = time.perf_counter()
-        result = self.runner.run(batch)
+        result = self._run(batch)
         self.scheduler.land_prefill(batch)
         if result is not None:
             outputs.extend(self._postprocess(batch, result.token_ids, result.logprobs))
@@ -188,6 +188,16 @@ class Engine:
         if self.check_invariants:
             self.kv.manager.check_invariants(self.scheduler.running)
         return outputs
+
+    def _run(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """The batch's forward and sampling. With tensor parallelism a failure here ends
+        the group: the other ranks may be inside a collective rank 0 will not join."""
+        try:
+            return self.runner.run(batch)
+        except BaseException as exc:
+            if self.tp is not None:
+                self.tp.fail(exc)
+            raise
 
     def _postprocess(
         self, batch: ScheduledBatch, tokens: list[int], logprobs: Sequence[object]

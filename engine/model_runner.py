@@ -166,11 +166,13 @@ class ModelRunner:
         """Forward ``batch``; sample for the rows whose prompt is complete."""
         self.req_table.flush()  # this step's table writes, before attention reads them
         inputs, sampling = self.step_inputs(batch)
+        # NOTE: the step is complete (inputs, grammar masks) before it goes to the other
+        # tensor-parallel ranks: a failure while filling it must not leave them inside the
+        # forward's all-reduce waiting for a rank 0 that never joins. Masks are filled on
+        # the host before the forward (which a GPU runs asynchronously, so they overlap).
+        mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
         if self.on_step is not None:
             self.on_step(inputs)  # tensor parallel: the other ranks run the same forward
-        # Grammar masks are filled on the host before the forward (which a GPU runs
-        # asynchronously, so the two overlap there).
-        mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
         logits = self._replay_decode(inputs, batch, sampling)  # [B, vocab] or None
         if logits is not None:
             return self.sampler(logits, sampling, self.eos_token_ids, mask)

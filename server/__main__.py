@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import math
 import signal
@@ -42,6 +43,18 @@ def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
     )
 
 
+# After a fatal engine error (a tensor-parallel rank died) the process ends within this
+# long, also when a thread is stuck in a collective or in a communicator's teardown.
+FATAL_EXIT_S = 20.0
+
+
+def arm_exit_deadline(seconds: float) -> None:
+    """End the process with status 1 in ``seconds`` unless it exits first, after writing
+    every thread's stack to stderr (where it was stuck). faulthandler's timer is a C
+    thread: a hung call that holds the interpreter does not stop it."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server; 0 after a drained shutdown (SIGTERM/SIGINT), 1 if the model fails."""
     args = parse_args(argv)
@@ -56,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_fatal(exc: BaseException) -> None:
         nonlocal exit_code
         exit_code = 1
+        # The drain below ends promptly when the engine failed its requests; this bounds
+        # it when it cannot (a forward blocked on a dead rank's collective).
+        arm_exit_deadline(FATAL_EXIT_S)
         if server is not None:
             server.should_exit = True
 

@@ -126,3 +126,32 @@ def init_process_group(
         timeout=timedelta(seconds=timeout_s),
     )
     return backend
+
+
+def abort_collectives() -> bool:
+    """Abort every process group of this process without waiting for its peers: a
+    collective blocked on a dead rank (NCCL and MCCL wait for their timeout) then returns
+    with an error. True if an abort ran; best effort, never collective.
+
+    NOTE: ``destroy_process_group()`` is collective on NCCL (it may wait for the peers'
+    teardown), so a group with a dead or stranded rank is aborted, never destroyed.
+    """
+    if not dist.is_initialized():
+        return False
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.3
+    if abort is None:
+        logger.warning("this torch build cannot abort a process group; leaving it as it is")
+        return False
+    abort()
+    return True
+
+
+def leave_group(backend: str) -> None:
+    """Leave every process group of this process without waiting for the peers: gloo's
+    destroy is local; elsewhere destroy may be collective, so the group is aborted."""
+    if not dist.is_initialized():
+        return
+    if backend == "gloo":
+        dist.destroy_process_group()
+    else:
+        abort_collectives()

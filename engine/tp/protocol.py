@@ -40,6 +40,11 @@ class TPRankDiedError(RuntimeError):
     """A tensor-parallel worker process exited; the engine cannot run without it."""
 
 
+class TPStepFailedError(RuntimeError):
+    """Rank 0 failed inside a step: the group stops (its other ranks may be in a collective
+    that rank 0 will never join, and rank 0's own state is half a step on)."""
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker process needs to join the group and load its shard."""

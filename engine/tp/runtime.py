@@ -6,9 +6,13 @@ tree; workers (engine/tp/worker.py) run the same forward on their shard of the w
 Two process groups: the device backend's (nccl, mccl, ... ; gloo on CPU) for the
 all-reduces inside the forward, and a gloo group for the step messages.
 
-NOTE: a worker that dies takes the server down: a monitor thread waits on the workers'
-process sentinels and reports the failure (``failure``, ``watch``); a collective with a
-dead gloo peer raises at once, so rank 0 never hangs waiting for it.
+NOTE: a worker that dies takes the server down, on every backend: a monitor thread waits
+on the workers' process sentinels (engine/tp/liveness.py, never the collective backend),
+records the failure (``failure``, ``watch``), ends the other workers and aborts rank 0's
+communicators, so a forward blocked in an NCCL/MCCL all-reduce with the dead rank returns
+instead of waiting out the 600 s collective timeout (a gloo one raises by itself). A
+failure of rank 0's own step (``fail``) stops the group the same way. Every wait on a
+worker or a communicator has a deadline.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,8 @@ from engine.kvcache.req_table import TableJournal
 from engine.layers.parallel_linear import TPShard
 from engine.model_runner import StepInputs
 from engine.tp import collectives
+from engine.tp.failure import GroupFailure
+from engine.tp.liveness import LivenessMonitor, end_processes, run_bounded
 from engine.tp.mirror import MirroredKVTransfer
 from engine.tp.protocol import (
     COLLECTIVE_TIMEOUT_S,
@@ -52,7 +59,11 @@ from engine.tp.worker import worker_main
 
 logger = logging.getLogger("hiserve.tp")
 
+# An orderly stop: the workers apply the stop message, close their KV and exit.
 STOP_JOIN_S = 30.0
+# The stop message (a worker that cannot take it is ended anyway), and leaving the group.
+SEND_STOP_S = 10.0
+LEAVE_GROUP_S = 10.0
 
 
 def device_ids(text: str | None) -> list[int] | None:
@@ -94,10 +105,10 @@ class TPRuntime:
             spec, self.size, device_ids(config.tensor_parallel_devices), count
         )
         backend = collectives.check_collective_backend(spec)
-        self.failure: BaseException | None = None
-        self._callbacks: list[Callable[[BaseException], None]] = []
+        self.backend = backend
         self._lock = threading.Lock()
         self._stopping = False
+        self.stop_join_s = STOP_JOIN_S
         self._attached = False  # workers follow steps once share_geometry() ran
         # Written by rank 0's request table and tree, sent (and cleared) with each step.
         self.table_journal: TableJournal = []
@@ -132,8 +143,15 @@ class TPRuntime:
             backend,
             [p.pid for p in self.workers],
         )
-        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
-        self._monitor = threading.Thread(target=self._watch, name="hiserve-tp-monitor", daemon=True)
+        # NOTE: gloo raises at once when a peer dies; NCCL and MCCL wait for their
+        # timeout unless the group is aborted.
+        abort = None if backend == "gloo" else collectives.abort_collectives
+        self._failure = GroupFailure(self.workers, abort, lambda s: self.stop(join_s=s))
+        self._monitor = LivenessMonitor(
+            {p.sentinel: rank for rank, p in enumerate(self.workers, start=1)},
+            self._failure.worker_died,
+            name="hiserve-tp-monitor",
+        )
         self._monitor.start()
         try:
             wait_for_ranks(store, self.workers)
@@ -188,60 +206,43 @@ class TPRuntime:
         broadcast(message, self.control)
 
     # ------------------------------------------------------------------ failure
-    def watch(self, callback: Callable[[BaseException], None]) -> None:
-        """Call ``callback(error)`` (on the monitor thread) when a worker dies."""
-        with self._lock:
-            failure = self.failure
-            if failure is None:
-                self._callbacks.append(callback)
-        if failure is not None:
-            callback(failure)
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the group can no longer run (a worker died, rank 0's step failed), or None."""
+        return self._failure.error
 
-    def _watch(self) -> None:
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.workers, start=1)}
-        ready = multiprocessing.connection.wait([*sentinels, self._wake_r])
-        if self._stopping:
-            return
-        rank, process = next(sentinels[s] for s in ready if s in sentinels)  # type: ignore[index]
-        process.join(timeout=1.0)
-        error = TPRankDiedError(
-            f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-            f"{process.exitcode}; the engine cannot run without it and shuts down "
-            "(the rank's own log lines above say why)"
-        )
-        logger.error("%s", error)
-        with self._lock:
-            self.failure = error
-            callbacks = list(self._callbacks)
-        for callback in callbacks:
-            try:
-                callback(error)
-            except Exception:  # e.g. the server's event loop already closed
-                logger.exception("a tensor-parallel failure callback failed")
+    def watch(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` (on the thread that found it) when the group fails."""
+        self._failure.watch(callback)
+
+    def fail(self, error: BaseException) -> None:
+        """Rank 0's step raised ``error``: the group stops (see engine/tp/failure.py)."""
+        self._failure.step_failed(error)
 
     # ------------------------------------------------------------------ shutdown
-    def stop(self, graceful: bool = True) -> None:
-        """Stop the workers (with a stop message when all of them are alive and waiting for
-        one; else terminate them), then leave the group."""
-        if self._stopping:
-            return
-        self._stopping = True
-        self._wake_w.send(None)
-        graceful = graceful and self._attached
-        alive = graceful and all(p.is_alive() for p in self.workers)
-        if alive and self.failure is None and dist.is_initialized():
-            try:
-                self.send_step(None)
-            except Exception as exc:  # a worker died meanwhile: terminate below
-                logger.warning("could not stop the tensor-parallel workers cleanly: %s", exc)
-        for process in self.workers:
-            process.join(timeout=STOP_JOIN_S if alive else 0.1)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5.0)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # pragma: no cover - backend dependent
-                logger.warning("leaving the tensor-parallel group failed: %s", exc)
+    def stop(self, graceful: bool = True, join_s: float | None = None) -> None:
+        """Stop the workers: a stop message when the group is whole and they wait for one,
+        then up to ``join_s`` (``stop_join_s``) for them to exit, then terminate and kill
+        the rest; then leave the group. Bounded: never hangs on a broken communicator."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._monitor.stop()  # from here on a worker exits on purpose
+        orderly = (
+            graceful
+            and self._attached
+            and not self._failure.broken
+            and dist.is_initialized()
+            and all(p.is_alive() for p in self.workers)
+        )
+        if orderly:
+            stop = StepMessage(None)
+            orderly = run_bounded(
+                partial(broadcast, stop, self.control), SEND_STOP_S, "sending the stop message"
+            )
+        wait_s = self.stop_join_s if join_s is None else join_s
+        end_processes(self.workers, wait_s if orderly else 0.0)
+        leave = partial(collectives.leave_group, self.backend)
+        run_bounded(leave, LEAVE_GROUP_S, "leaving the group")
         shutil.rmtree(self._tmp, ignore_errors=True)

@@ -2,12 +2,15 @@
 KV, and run the forward of every step rank 0 sends until it says stop.
 
 Started by engine/tp/runtime.py with the ``spawn`` method. Any error ends the process
-with a non-zero status after logging it; rank 0's monitor then takes the server down.
+with a non-zero status after logging it; rank 0's monitor then takes the server down. A
+monitor of this process ends it when rank 0 exits (engine/tp/liveness.py), also while the
+forward waits in a collective that rank 0 will never join.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -19,6 +22,7 @@ from engine.layers.parallel_linear import TPShard
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.tp import collectives
+from engine.tp.liveness import watch_parent
 from engine.tp.mirror import RankKV
 from engine.tp.protocol import (
     COLLECTIVE_TIMEOUT_S,
@@ -40,11 +44,22 @@ def worker_main(spec: WorkerSpec) -> None:
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {spec.rank}]: %(message)s",
     )
+    monitor = watch_parent(_rank0_died)
     try:
         serve_rank(spec)
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", spec.rank)
         sys.exit(1)
+    finally:
+        if monitor is not None:
+            monitor.stop()
+
+
+def _rank0_died(rank: int) -> None:
+    # NOTE: os._exit, not sys.exit: the main thread may be blocked in a collective (NCCL
+    # waits for its 600 s timeout), and a normal exit would wait for it.
+    logger.error("rank %d (the server) exited; this rank exits too", rank)
+    os._exit(1)
 
 
 def serve_rank(spec: WorkerSpec) -> None:
@@ -92,4 +107,5 @@ def serve_rank(spec: WorkerSpec) -> None:
                 runner.forward(message.inputs, loads)
     finally:
         kv.close()
-    dist.destroy_process_group()
+    # NOTE: destroy is collective on NCCL; leaving the group must not wait for rank 0.
+    collectives.leave_group(dist.get_backend())

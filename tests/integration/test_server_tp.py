@@ -1,11 +1,14 @@
 """``python -m server --tp 2``: serves through the official client, reports the group in
-/health, and exits non-zero (after /health turned unhealthy) when a worker rank dies."""
+/health, and, when a worker rank dies in the middle of a generation, turns /health
+unhealthy and exits non-zero within 30 s (the stream in flight ends with an error)."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -36,7 +39,7 @@ def test_tp_server_serves_and_exits_nonzero_when_a_rank_dies(
 ) -> None:
     server = ServerProcess(
         tmp_path / "server.log",
-        ["--model", str(tiny_llama_dir), "--tp", "2", "--kv-cache-tokens", "512"],
+        ["--model", str(tiny_llama_dir), "--tp", "2", "--kv-cache-tokens", "1024"],
     )
     try:
         server.wait_ready()
@@ -53,10 +56,37 @@ def test_tp_server_serves_and_exits_nonzero_when_a_rank_dies(
         assert out.usage is not None and out.usage.completion_tokens == 4
         workers = _worker_pids(server.log_text())
         assert len(workers) == 1, workers
+        streaming = threading.Event()
+        ended: list[str] = []
+
+        def generate() -> None:  # a long stream; the rank dies in the middle of it
+            try:
+                stream = client.completions.create(
+                    model=out.model,
+                    prompt="Once upon a time",
+                    max_tokens=900,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for _ in stream:
+                    streaming.set()
+                ended.append("complete")
+            except Exception as exc:  # the error the server sends when the engine dies
+                ended.append(type(exc).__name__)
+            finally:
+                streaming.set()
+
+        reader = threading.Thread(target=generate, daemon=True)
+        reader.start()
+        assert streaming.wait(timeout=60) and not ended, "the stream never started"
         os.kill(workers[0], signal.SIGKILL)
-        assert wait_until(lambda: _unhealthy(server.base_url), timeout=60)
-        code = server.proc.wait(timeout=120)
+        killed = time.monotonic()
+        assert wait_until(lambda: _unhealthy(server.base_url), timeout=30)
+        code = server.proc.wait(timeout=max(1.0, 30 - (time.monotonic() - killed)))
         assert code != 0
+        reader.join(timeout=10)
+        assert ended and ended[0] != "complete", ended
         log = server.log_text()
         assert "tensor-parallel rank 1" in log and "exited with code" in log
     finally:

@@ -3,7 +3,9 @@
 Greedy output must be identical to one rank, for a dense (Llama) and an MoE (Qwen3-MoE)
 model, with batched prompts of different lengths, chunked prefill, prefix hits, and the
 HiCache host tier evicting KV and loading it back; a killed worker must end the engine
-cleanly (reported at once, never a hang)."""
+cleanly (reported at once, never a hang); a failure while rank 0 fills a step must stop
+every rank at once (the workers were never sent the step); a shutdown is bounded even
+when a worker cannot take the stop message."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import os
 import random
 import signal
 import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,8 @@ import transformers
 from transformers import Qwen3MoeConfig
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.tp.protocol import TPRankDiedError
+from engine.request import Req
+from engine.tp.protocol import TPRankDiedError, TPStepFailedError
 from tests.conftest import TOKENIZER_FILES
 from tests.unit.hf_reference import hf_greedy, randomize
 
@@ -99,11 +104,13 @@ def test_two_ranks_give_the_greedy_output_of_one(
     outputs = {}
     for tp in (1, 2):
         engine = _engine(path, tp)
+        workers = list(engine.tp.workers) if engine.tp is not None else []
         try:
             outputs[tp], device_hits, _ = _conversations(engine)
         finally:
             engine.close()
         assert device_hits > 0, "the second turn never hit the prefix cache"
+        assert [w.exitcode for w in workers] == [0] * (tp - 1)  # an orderly stop
     assert outputs[2] == outputs[1]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     rng = random.Random(0)
@@ -151,4 +158,65 @@ def test_a_killed_rank_ends_the_engine_cleanly(tiny_llama_dir: Path) -> None:
     finally:
         engine.close()  # returns: no stop message is sent to a dead rank
     assert not worker.is_alive()
+    assert not torch.distributed.is_initialized()
+
+
+class FailingMasker:
+    """Rank 0's grammar masker, whose ``fail_at``-th fill raises (mid-generation)."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def fill(self, reqs: Sequence[Req]) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected: the grammar mask fill failed")
+
+
+@pytest.mark.slow
+def test_a_failure_while_filling_a_step_stops_every_rank_at_once(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, 2)
+    reported: list[BaseException] = []
+    engine.watch_fatal(reported.append)
+    assert engine.tp is not None
+    workers = list(engine.tp.workers)
+    try:
+        engine.runner.masker = FailingMasker(fail_at=3)  # type: ignore[assignment]
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.generate([[5, 6, 7]], PARAMS)
+        for worker in workers:
+            worker.join(timeout=60)
+        elapsed = time.monotonic() - started
+    finally:
+        engine.close()
+    # Rank 0 failed before the step went out, so the workers were waiting for a message,
+    # not inside the step's all-reduce: they took the stop message and exited cleanly. (A
+    # worker stranded in the all-reduce cannot read it; it would be terminated, -15.)
+    assert [w.exitcode for w in workers] == [0]
+    assert elapsed < 20, f"the ranks took {elapsed:.1f} s to stop"
+    assert isinstance(engine.failure, TPStepFailedError) and reported == [engine.failure]
+    assert "injected" in str(engine.failure.__cause__)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_shutdown_is_bounded_when_a_worker_cannot_stop(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, 2)
+    assert engine.tp is not None
+    worker = engine.tp.workers[0]
+    try:
+        assert engine.generate([[5, 6, 7]], PARAMS)[0].token_ids
+        engine.tp.stop_join_s = 1.0
+        # Alive and holding its communicator, but it never reads the stop message and a
+        # SIGTERM stays pending: only a kill ends it.
+        os.kill(worker.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        started = time.monotonic()
+    finally:
+        engine.close()
+    elapsed = time.monotonic() - started
+    assert elapsed < 20, f"close() took {elapsed:.1f} s"
+    assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
+    assert engine.failure is None  # a shutdown, not a failure
     assert not torch.distributed.is_initialized()
