@@ -8,6 +8,7 @@ that future token references were resolved on the device.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,16 @@ from typing import Any
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.grammar_spec import GrammarSpec
 from engine.request import RequestOutput
 from tests.unit.cpu_engine import checked_engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
@@ -42,7 +51,13 @@ class Pair:
 
         futures.resolve = counting_resolve  # type: ignore[method-assign]
 
+    def fresh(self) -> None:
+        """Count overlap from here on (check_overlapped looks at what ran since)."""
+        self.resolved = 0
+        self.over.loop.overlapped_steps = 0  # type: ignore[attr-defined]
+
     def generate(self, prompts: list[Any], params: Any) -> tuple[list[Any], list[Any]]:
+        self.fresh()
         plain = [summary(o) for o in self.plain.generate(prompts, params)]
         over = [summary(o) for o in self.over.generate(prompts, params)]
         return plain, over
@@ -182,6 +197,7 @@ def drive(eng: Engine, prompts: list[list[int]], abort_after: int) -> dict[str, 
 
 
 def test_abort_mid_stream(pair: Pair) -> None:
+    pair.fresh()
     prompts = make_prompts(4, seed=11)
     plain = drive(pair.plain, prompts, abort_after=5)
     over = drive(pair.over, prompts, abort_after=5)
@@ -224,3 +240,73 @@ def test_hicache_loads(tiny_llama_dir: Path) -> None:
         engines.check_overlapped()
     finally:
         engines.close()
+
+
+@pytest.mark.slow  # both engines compile the schema over the 49k-token vocabulary
+def test_grammar_masks(pair: Pair) -> None:
+    """Constrained requests read their grammar state on the host: while one runs, the
+    in-flight step lands first; unconstrained requests around them overlap again."""
+    spec = GrammarSpec.json_schema(SCHEMA, "response_format")
+    params = [SamplingParams(max_tokens=12, temperature=0, grammar=spec)]
+    params += [SamplingParams(max_tokens=12, temperature=0.8, seed=s, grammar=spec) for s in (1, 2)]
+    params += [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 2
+    plain, over = pair.generate(PROMPTS[: len(params)], params)
+    assert over == plain
+    assert all(p[0] for p in plain[:3])
+    pair.check_overlapped()
+
+
+def test_l3_prefetch(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Prompts a first engine stored are prefetched from the file store by both."""
+    config: dict[str, Any] = dict(
+        kv_cache_tokens=256,
+        page_size=4,
+        hicache_load_threshold=4,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        hicache_storage_prefetch_threshold=8,
+    )
+    batch = make_prompts(4, seed=2, lo=40, hi=48)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = checked_engine(tiny_llama_dir, **config)
+    first.generate(batch, params)
+    first.close()  # drains the writer: every page is in the store
+    engines = Pair(tiny_llama_dir, **config)
+    try:
+        engines.fresh()
+        plain = engines.plain.generate(batch, params)
+        over = engines.over.generate(batch, params)
+        assert [summary(o) for o in over] == [summary(o) for o in plain]
+        assert all(o.cached_tokens_storage > 0 for o in over)
+        engines.check_overlapped()
+    finally:
+        engines.close()
+
+
+def test_async_engine_streams_overlapped(pair: Pair, tiny_llama_dir: Path) -> None:
+    """The server's loop thread drives Engine.loop: streamed deltas add up to the plain
+    engine's outputs."""
+    params = SamplingParams(max_tokens=16, temperature=0)
+    plain = [summary(o) for o in pair.plain.generate(PROMPTS[:4], params)]
+    engine = checked_engine(tiny_llama_dir, kv_cache_tokens=4096, disable_overlap_schedule=False)
+    async_engine = AsyncEngine(engine.config, engine=engine)
+    async_engine.start()
+
+    async def one(i: int) -> tuple[list[int], str]:
+        tokens: list[int] = []
+        text = ""
+        async for out in async_engine.generate(PROMPTS[i], params, f"a{i}"):
+            tokens += out.new_token_ids
+            text += out.new_text
+        return tokens, text
+
+    async def run() -> list[tuple[list[int], str]]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(4)))
+        finally:
+            await async_engine.shutdown(grace_s=0)
+
+    streamed = asyncio.run(run())
+    assert streamed == [(p[0], p[1]) for p in plain]
+    assert engine.loop.overlapped_steps > 0  # type: ignore[attr-defined]
