@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.grammar_spec import GrammarSpec
 from engine.request import RequestOutput
+from engine.step_loop import overlap_enabled
+from server.args import parse_args
 from tests.unit.cpu_engine import checked_engine
 
 SCHEMA = {
@@ -31,6 +33,25 @@ SCHEMA = {
 def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "cpu", "cuda"),
+    [
+        ([], None, False, True),  # the default: by device
+        (["--disable-overlap-schedule"], True, False, False),
+        (["--no-disable-overlap-schedule"], False, True, True),
+    ],
+)
+def test_flag_and_default(flags: list[str], field: Any, cpu: bool, cuda: bool) -> None:
+    config = parse_args(flags).engine
+    assert config.disable_overlap_schedule is field
+    assert overlap_enabled(config, "cpu") is cpu
+    assert overlap_enabled(config, "cuda") is cuda
+    assert overlap_enabled(config, "musa") is cuda
+    # Tensor parallel ranks replay rank 0's inputs, which hold no future references.
+    tp = EngineConfig(disable_overlap_schedule=field, tensor_parallel_size=2)
+    assert overlap_enabled(tp, "cuda") is False
 
 
 class Pair:
