@@ -108,16 +108,34 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-cache-tokens", type=int, default=65536, help="device KV pool of both engines"
     )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the server flag, for both engines (unset: the device's default)",
+    )
     args = parser.parse_args(argv)
+    overlap_flag: tuple[str, ...] = ()
+    if args.disable_overlap_schedule is not None:
+        overlap_flag = (
+            "--disable-overlap-schedule"
+            if args.disable_overlap_schedule
+            else "--no-disable-overlap-schedule",
+        )
 
     workload = make_workload(args)
     engine = Engine(
         EngineConfig(
-            model=args.model, device="cpu", dtype="float32", kv_cache_tokens=args.kv_cache_tokens
+            model=args.model,
+            device="cpu",
+            dtype="float32",
+            kv_cache_tokens=args.kv_cache_tokens,
+            disable_overlap_schedule=args.disable_overlap_schedule,
         )
     )
     engine.generate([workload.requests[0].prompt], SamplingParams(max_tokens=2))  # warm-up
     offline, outputs = offline_tokens_per_s(engine, workload)
+    engine_overlap = engine.overlap
     cost = per_token_cost(engine.tokenizer, [r.prompt for r in workload.requests], outputs)
     engine.close()
     del engine
@@ -126,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model,
         kv_cache_tokens=args.kv_cache_tokens,
         startup_timeout=args.startup_timeout,
+        extra_args=overlap_flag,
     )
     with LaunchedServer("radix", options) as server:
         warm = RunState("warm-up", server.url, 1)
@@ -141,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     served = served_tokens_per_s(state)
     print(
         f"{args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output "
-        f"tokens each, greedy, fp32, {args.max_concurrency} in flight"
+        f"tokens each, greedy, fp32, {args.max_concurrency} in flight, overlapped "
+        f"scheduling {'on' if engine_overlap else 'off'}"
     )
     print(f"offline engine: {offline:8.1f} output tok/s")
     print(f"served (HTTP):  {served:8.1f} output tok/s")

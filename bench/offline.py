@@ -172,11 +172,12 @@ def step_overhead(engine: Engine, prompts: list[list[int]], steps: int = 40) -> 
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
+    loop = engine.loop  # overlapped or plain, as the engine drives its steps
     while (
         any(r.kv_len < r.seq_len - 1 or not r.output_ids for r in engine.scheduler.running)
         or engine.scheduler.waiting
     ):
-        engine.step()
+        loop.step()
     forward_time = 0.0
 
     def timing(original: Any) -> Any:
@@ -192,10 +193,10 @@ def step_overhead(engine: Engine, prompts: list[list[int]], steps: int = 40) -> 
     with _patched(engine.model, "forward", timing):
         start = time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            loop.step()
         total = time.perf_counter() - start
-    while engine.has_work:
-        engine.step()
+    while loop.has_work:
+        loop.step()
     return total / steps, (total - forward_time) / steps
 
 
@@ -228,6 +229,12 @@ def main(argv: list[str] | None = None) -> None:
         help="alternate prefill and decode steps (the server flag of the same name)",
     )
     parser.add_argument(
+        "--disable-overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the server flag: unset, overlapped on cuda/musa only; --no-... forces it on",
+    )
+    parser.add_argument(
         "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="engine attention"
     )
     parser.add_argument("--device", default="cpu", help="engine device (cpu, cuda, musa:0, ...)")
@@ -253,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             attention_backend=args.attention_backend,
             enable_mixed_batches=False if args.disable_mixed_batches else None,
             tensor_parallel_size=args.tp,
+            disable_overlap_schedule=args.disable_overlap_schedule,
         )
     )
     try:
@@ -268,7 +276,8 @@ def _measure(engine: Engine, args: argparse.Namespace) -> None:
     print(
         f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
         f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, fp32, "
-        f"{engine.attention_backend} attention, tp {args.tp} on {engine.device_spec}"
+        f"{engine.attention_backend} attention, tp {args.tp} on {engine.device_spec}, "
+        f"overlapped scheduling {'on' if engine.overlap else 'off'}"
     )
     run_engine(engine, prompts[:2], [4, 4])  # warm-up
     shapes: list[tuple[int, int]] = []

@@ -157,6 +157,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ loop thread
     def _loop(self) -> None:
         engine = self.engine
+        # Engine.loop: overlapped steps or engine.step() itself (a test's fake has none).
+        driver = getattr(engine, "loop", engine)
         try:
             # A new thread starts on device 0: calls that take no device mean this one.
             platform.set_device(engine.device_spec)
@@ -164,12 +166,12 @@ class AsyncEngine:
                 self._drain_inbox()
                 if self._backlog:
                     self._flush_backlog()
-                if not engine.has_work:
+                if not driver.has_work:
                     self._stats = engine.stats()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                outputs = engine.step()
+                outputs = driver.step()
                 self._stats = engine.stats()
                 if outputs:
                     self._deliver(outputs)

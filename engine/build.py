@@ -18,6 +18,7 @@ import torch
 
 from engine import dtypes, loader, platform
 from engine.config import EngineConfig
+from engine.future_tokens import FutureTokens
 from engine.grammar import EngineGrammars
 from engine.graph_runner import DecodeGraphRunner, build_decode_graphs
 from engine.kv_setup import KVSetup, build_kv
@@ -148,6 +149,7 @@ def _build_on(
         masker=grammars.masker,
         graphs=graphs,
         on_step=tp.send_step if tp is not None else None,
+        futures=FutureTokens(config.max_running_requests, device),
     )
     if tp is not None:
         tp.share_geometry(kv)

@@ -129,6 +129,11 @@ class EngineConfig(SchedulerConfig):
     disable_cuda_graph: bool = False
     # Largest decode batch replayed from a graph; None: max_running_requests.
     cuda_graph_max_bs: int | None = None
+    # The overlapped loop (engine/step_loop.py) launches step N+1 before step N's tokens
+    # reach the host. None: on for cuda and musa, off on the CPU (measured: no gain where
+    # host and forward share the cores) and other devices; off under tensor parallelism.
+    # SGLang's flag name.
+    disable_overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)

@@ -23,6 +23,7 @@ from engine.outputs import check_stop, make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
 from engine.sampler import SamplerOutput, make_generator
 from engine.scheduler import ScheduledBatch
+from engine.step_loop import LaunchedStep, OverlapLoop, StepDriver, overlap_enabled
 
 logger = logging.getLogger("hiserve.engine")
 
@@ -64,9 +65,12 @@ class Engine:
         self.tracer = (
             CacheTracer(config.cache_trace, config.page_size) if config.cache_trace else None
         )
+        # What drives steps (generate(), AsyncEngine): overlapped, or step() itself.
+        self.overlap = overlap_enabled(config, self.device.type)
+        self.loop: StepDriver = OverlapLoop(self) if self.overlap else self
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d "
-            "max_model_len=%d tp=%d",
+            "max_model_len=%d tp=%d overlap=%s",
             self.model_path,
             self.device_spec,
             str(self.dtype)[6:],
@@ -74,6 +78,7 @@ class Engine:
             config.page_size,
             self.max_model_len,
             config.tensor_parallel_size,
+            self.overlap,
         )
 
     # ------------------------------------------------------------------ input
@@ -162,29 +167,55 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return what changed for each request."""
+        outputs = self.drain_ended()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if not outputs:
+                self.idle()
+            return outputs
+        outputs.extend(self.land(self.launch(batch)))
+        return outputs
+
+    def drain_ended(self) -> list[RequestOutput]:
+        """Finish the requests ended between steps: out of KV, or a failed grammar."""
         outputs: list[RequestOutput] = []
         for req in self.scheduler.out_of_memory:
-            self._finish(req, FinishReason.LENGTH)
-            outputs.append(make_output(req, finished=True))
+            if not req.finished:  # a token that landed since may have ended it
+                self._finish(req, FinishReason.LENGTH)
+                outputs.append(make_output(req, finished=True))
         self.scheduler.out_of_memory.clear()
         for req, error in self.grammars.poll():
             req.error = error
             self._finish(req, FinishReason.ABORT)
             outputs.append(make_output(req, finished=True))
-        batch = self.scheduler.schedule()
-        if batch is None:
-            if not outputs:
-                # Nothing runnable: block briefly on compiles and L3 reads rather than spin.
-                self.grammars.wait(timeout=0.01)
-                self.kv.manager.wait_prefetches(timeout=0.01)
-            return outputs
-        started = time.perf_counter()
-        result = self._run(batch)
+        return outputs
+
+    def idle(self) -> None:
+        """Nothing runnable: block briefly on compiles and L3 reads rather than spin."""
+        self.grammars.wait(timeout=0.01)
+        self.kv.manager.wait_prefetches(timeout=0.01)
+
+    def launch(self, batch: ScheduledBatch, keep_future: bool = False) -> LaunchedStep:
+        """Queue ``batch``'s forward and sampling. ``keep_future``: the tokens go into the
+        future buffer, referenced by each sampling request until they land."""
+        step = LaunchedStep(batch, self._run(batch))
         self.scheduler.land_prefill(batch)
+        futures = self.runner.futures
+        if keep_future and step.result is not None and futures is not None:
+            first = futures.store(step.result.tokens)
+            sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
+            for i, req in enumerate(sampling):
+                req.future_ids.append(first + i)
+        return step
+
+    def land(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Take ``step``'s tokens on the host: stops, detokenization, outputs."""
+        batch, result = step.batch, step.result
+        outputs = []
         if result is not None:
-            outputs.extend(self._postprocess(batch, result.token_ids, result.logprobs))
+            outputs = self._postprocess(batch, result.token_ids, result.logprobs)
         if not batch.is_decode:
-            self.reporter.log_prefill(batch, time.perf_counter() - started)
+            self.reporter.log_prefill(batch, time.perf_counter() - step.started)
         if self.check_invariants:
             self.kv.manager.check_invariants(self.scheduler.running)
         return outputs
@@ -206,8 +237,10 @@ class Engine:
         sampling = [r for r, s in zip(batch.reqs, batch.sample) if s]
         now = time.monotonic()
         for req, token, lp in zip(sampling, tokens, logprobs):
+            if req.future_ids:
+                req.future_ids.pop(0)  # this token (launched overlapped) has landed
             if req.finished:
-                continue
+                continue  # ended by an earlier token or an abort: this one is dropped
             if not req.output_ids and req.num_retractions == 0:
                 self.reporter.count_prompt(req)
             if req.params.max_tokens == 0:
@@ -292,7 +325,7 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for out in self.step():
+            for out in self.loop.step():
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]

@@ -201,9 +201,12 @@ class DecodeGraphRunner:
         out_slots: torch.Tensor,
         req_rows: list[int],
         seq_lens: list[int],
+        resolve: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor | None:
         """Logits ``[B, vocab]`` float32 of a pure decode batch of B rows; None when its
-        graph could not be captured (the caller runs the step eagerly).
+        graph could not be captured (the caller runs the step eagerly). ``resolve``
+        rewrites the static input ids in place before the replay (references to tokens
+        still on the device, engine/future_tokens.py).
 
         NOTE: a view of the static logits buffer, overwritten by the next replay: read it
         (the sampler does, on the same stream) before running another step.
@@ -225,6 +228,8 @@ class DecodeGraphRunner:
                 )
                 return None
         self._copy_in(key[0], input_ids, positions, out_slots, req_rows, seq_lens)
+        if resolve is not None:
+            resolve(self._views(key[0])[0])
         graph.replay()
         self.replays[key] += 1
         return self._logits[: len(seq_lens)]

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.future_tokens import FutureTokens
 from engine.grammar import TokenMasker
 from engine.graph_runner import DecodeGraphRunner
 from engine.host_alloc import pinned_empty
@@ -33,6 +34,7 @@ class StepInputs:
     extend_lens: list[int]  # [B] new tokens per sequence
     sample_ends: list[int]  # index of each sampling sequence's last token
     num_decodes: int = 0  # a mixed batch: its first num_decodes sequences decode
+    future_refs: bool = False  # input_ids holds references to tokens still on the device
 
 
 class ModelRunner:
@@ -53,6 +55,7 @@ class ModelRunner:
         masker: TokenMasker | None = None,
         graphs: DecodeGraphRunner | None = None,
         on_step: Callable[[StepInputs | None], None] | None = None,
+        futures: FutureTokens | None = None,
     ) -> None:
         self.model: Any = model  # LlamaForCausalLM-like: forward + compute_logits
         self.kv_pool = kv_pool
@@ -66,6 +69,8 @@ class ModelRunner:
         self.on_step = on_step
         # Device graphs for pure decode steps (engine/graph_runner.py); None: all eager.
         self.graphs = graphs
+        # Sampled tokens not yet on the host, for the overlapped loop (future_tokens.py).
+        self.futures = futures
 
     def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
         """Every int64 input of one step in one buffer, one host -> device copy.
@@ -86,19 +91,27 @@ class ModelRunner:
             offset += size
         return list(host.to(self.device, non_blocking=True).split(sizes))
 
-    def _host_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+    def _host_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int], bool]:
+        """Input ids and positions; a token still on the device goes in as a reference
+        (FutureTokens.ref). Also whether any did."""
         ids: list[int] = []
         positions: list[int] = []
+        refs = False
         for req, start, n in zip(batch.reqs, batch.starts, batch.extend_lens):
             if n == 1:
-                ids.append(
-                    req.output_ids[-1] if start >= len(req.prompt_ids) else req.prompt_ids[start]
-                )
+                known = len(req.prompt_ids) + len(req.output_ids)
+                if start >= known:  # only a decode's input can be in flight
+                    ids.append(FutureTokens.ref(req.future_ids[start - known]))
+                    refs = True
+                elif start >= len(req.prompt_ids):
+                    ids.append(req.output_ids[start - len(req.prompt_ids)])
+                else:
+                    ids.append(req.prompt_ids[start])
                 positions.append(start)
             else:
                 ids.extend(req.all_ids[start : start + n])
                 positions.extend(range(start, start + n))
-        return ids, positions
+        return ids, positions, refs
 
     @staticmethod
     def _sample_ends(batch: ScheduledBatch) -> tuple[list[int], list[Req]]:
@@ -115,7 +128,7 @@ class ModelRunner:
 
     def step_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Req]]:
         """The forward's inputs as plain Python, and the requests that sample after it."""
-        ids, positions = self._host_inputs(batch)
+        ids, positions, refs = self._host_inputs(batch)
         ends, sampling = self._sample_ends(batch)
         inputs = StepInputs(
             is_decode=batch.is_decode,
@@ -127,6 +140,7 @@ class ModelRunner:
             prefix_lens=list(batch.starts),
             extend_lens=list(batch.extend_lens),
             sample_ends=ends,
+            future_refs=refs,
         )
         return inputs, sampling
 
@@ -145,6 +159,8 @@ class ModelRunner:
                 inputs.sample_ends,
             ]
         )
+        if inputs.future_refs:
+            self._futures().resolve(input_ids)
         meta = AttentionMetadata(
             is_decode=inputs.is_decode,
             num_decodes=inputs.num_decodes,
@@ -163,7 +179,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Forward ``batch``; sample for the rows whose prompt is complete."""
+        """Forward ``batch``; sample for the rows whose prompt is complete. The tokens
+        may still be on their way to the host (``SamplerOutput.token_ids`` waits)."""
         self.req_table.flush()  # this step's table writes, before attention reads them
         inputs, sampling = self.step_inputs(batch)
         # NOTE: the step is complete (inputs, grammar masks) before it goes to the other
@@ -175,7 +192,7 @@ class ModelRunner:
             self.on_step(inputs)  # tensor parallel: the other ranks run the same forward
         logits = self._replay_decode(inputs, batch, sampling)  # [B, vocab] or None
         if logits is not None:
-            return self.sampler(logits, sampling, self.eos_token_ids, mask)
+            return self._sample(logits, sampling, mask)
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
         if not inputs.is_decode:
             score_prompts(hidden, batch, self.model.compute_logits, self.vocab_size)
@@ -184,7 +201,16 @@ class ModelRunner:
         if len(sampling) != hidden.shape[0]:
             hidden = hidden.index_select(0, ends_t)  # [num_sampling, hidden]
         logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
-        return self.sampler(logits, sampling, self.eos_token_ids, mask)
+        return self._sample(logits, sampling, mask)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Req], mask: Any) -> SamplerOutput:
+        out = self.sampler(logits, sampling, self.eos_token_ids, mask)
+        out.start_download()  # the host reads the tokens when it needs them
+        return out
+
+    def _futures(self) -> FutureTokens:
+        assert self.futures is not None, "a reference to a future token needs the buffer"
+        return self.futures
 
     def _replay_decode(
         self, inputs: StepInputs, batch: ScheduledBatch, sampling: list[Req]
@@ -200,5 +226,10 @@ class ModelRunner:
         if batch.kv_loads or len(sampling) != len(seq_lens) or not graphs.can_run(seq_lens):
             return None
         return graphs.run(
-            inputs.input_ids, inputs.positions, inputs.out_slots, inputs.req_rows, seq_lens
+            inputs.input_ids,
+            inputs.positions,
+            inputs.out_slots,
+            inputs.req_rows,
+            seq_lens,
+            resolve=self._futures().resolve if inputs.future_refs else None,
         )

@@ -92,6 +92,6 @@ def check_stop(
                 req.text = req.text[: hit[0]]
                 req.stop_reason = hit[1]
                 return FinishReason.STOP
-    if n_out >= params.max_tokens or req.seq_len >= max_model_len:
+    if n_out >= params.max_tokens or len(req.prompt_ids) + n_out >= max_model_len:
         return FinishReason.LENGTH
     return None

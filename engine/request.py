@@ -213,7 +213,10 @@ class Req:
     NOTE: KV ownership of a running request, by index range of ``all_ids``:
       [0, prefix_len)            slots of matched tree nodes (locked via ``last_node``);
       [prefix_len, kv_len)       slots this request allocated and owns;
-      [kv_len, len(all_ids))     tokens whose KV is not computed yet.
+      [kv_len, seq_len)          tokens whose KV is not computed yet.
+    ``seq_len`` also counts ``future_ids``: tokens the overlapped loop sampled that are
+    still on their way to the host (``all_ids`` and ``output_ids`` hold only tokens the
+    host has, so they are never longer than ``seq_len``).
     On finish the owned range is handed to the tree (or freed) and the lock released.
     """
 
@@ -222,6 +225,8 @@ class Req:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
+    # Sampled tokens not on the host yet, oldest first: indices into FutureTokens.
+    future_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     # KV bookkeeping (owned by the scheduler)
     row: int = -1  # row in the request table; -1 when not running
@@ -264,7 +269,7 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.future_ids)
 
     @property
     def finished(self) -> bool:
@@ -281,4 +286,4 @@ class Req:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.params.max_tokens - len(self.output_ids) - len(self.future_ids)

@@ -219,7 +219,7 @@ class Scheduler:
 
     def _pick_batch(self) -> ScheduledBatch | None:
         if self.mixed:
-            decodes = sum(1 for r in self.running if r.kv_len == r.seq_len - 1)
+            decodes = sum(1 for r in self.running if self._decode_ready(r))
             # Decodes that fill the whole token budget would starve prefill: alternate.
             if decodes < self.config.max_prefill_tokens:
                 return self._pick_mixed()
@@ -297,6 +297,8 @@ class Scheduler:
                 continue  # its other copies wait their turn; those behind them go first
             if req.grammar is not None and not req.grammar.ready:
                 continue  # its grammar is still compiling; it must not hold back others
+            if req.future_ids:
+                continue  # retracted with its last token still on the device
             if self.kv.req_table.free_rows == 0:
                 break
             match = self.kv.match(req)
@@ -343,8 +345,16 @@ class Scheduler:
             return None
         return ScheduledBatch(0, reqs, starts, lens, torch.cat(slots), sample)
 
+    def _decode_ready(self, req: Req) -> bool:
+        """Whether ``req`` has exactly its last token left to compute. A token still in
+        flight (the overlapped loop) that is sure to be the request's last (its length
+        limit) is not decoded on: it would run past ``max_tokens`` or the context."""
+        if req.kv_len != req.seq_len - 1:
+            return False
+        return not req.future_ids or (req.remaining_tokens > 0 and req.seq_len < self.max_model_len)
+
     def _schedule_decode(self) -> ScheduledBatch | None:
-        order = [r for r in self.running if r.kv_len == r.seq_len - 1]
+        order = [r for r in self.running if self._decode_ready(r)]
         if not order:
             return None
         retracted: list[Req] = []

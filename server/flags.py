@@ -176,6 +176,14 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "disable_cuda_graph",
     ),
     FlagSpec(
+        "disable-overlap-schedule",
+        "run each step to its sampled tokens before scheduling the next, instead of "
+        "scheduling step N+1 while step N runs on the device (unset: overlapped on cuda "
+        "and musa, not on the CPU; --no-disable-overlap-schedule: overlapped everywhere "
+        "but under tensor parallelism)",
+        "disable_overlap_schedule",
+    ),
+    FlagSpec(
         "cuda-graph-max-bs",
         "largest decode batch replayed from a device graph (default: --max-running-requests)",
         "cuda_graph_max_bs",

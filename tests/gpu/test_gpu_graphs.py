@@ -93,13 +93,14 @@ def test_replayed_steps_never_sync_the_host(
     real_run = runner.run
     replayed: list[int] = []
 
-    def run(*args: Any) -> torch.Tensor | None:
-        # Copy-in and replay only (capturing synchronises, by design).
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        # Copy-in and replay only (capturing synchronises, by design). ``resolve``: the
+        # overlapped loop's future-token references, swapped on the device.
         if runner.bucket_of(args[4]) not in runner.graphs:
-            return real_run(*args)
+            return real_run(*args, **kwargs)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            logits = real_run(*args)
+            logits = real_run(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         replayed.append(len(args[4]))

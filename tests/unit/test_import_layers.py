@@ -46,6 +46,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.models": 4,
     "engine.penalties": 2,
     "engine.sampler": 4,
+    "engine.future_tokens": 4,
     "engine.graph_runner": 4,
     "engine.graph_startup": 4,
     "engine.graph_buckets": 4,
@@ -55,6 +56,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.tp": 6,
     "engine.engine_stats": 6,
     "engine.build": 7,
+    "engine.step_loop": 7,
     "engine.engine": 8,
     "engine.async_engine": 9,
     "engine": 10,  # the package's own __init__ re-exports the public names

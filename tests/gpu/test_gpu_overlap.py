@@ -1,0 +1,83 @@
+"""The overlapped loop on CUDA: the same tokens as the plain loop (graphs and eager), and
+a launched decode step that never makes the host wait for the device."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.step_loop import LaunchedStep
+from tests.gpu.conftest import VOCAB
+from tests.gpu.test_gpu_engine import engine_for, multiturn, prompts
+
+pytestmark = pytest.mark.cuda
+
+
+def mixed_params(count: int) -> list[SamplingParams]:
+    """Greedy and seeded rows of different lengths, with EOS and a stop token allowed."""
+    params = []
+    for i in range(count):
+        if i % 2:
+            params.append(SamplingParams(max_tokens=5 + 3 * i, temperature=0.8, seed=i))
+        else:
+            params.append(
+                SamplingParams(max_tokens=5 + 3 * i, temperature=0, stop_token_ids=[VOCAB // 2])
+            )
+    return params
+
+
+def outputs(**config: Any) -> list[tuple[Any, ...]]:
+    engine = engine_for(Path(config.pop("model_dir")), kv_cache_tokens=2048, **config)
+    rng = random.Random(3)
+    batch = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(8, 60))] for _ in range(11)]
+    outs = engine.generate(batch, mixed_params(len(batch)))
+    engine.close()
+    return [(o.token_ids, o.finish_reason, o.stop_reason) for o in outs]
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_overlapped_equals_plain(tiny_model_dir: Path, graphs: bool) -> None:
+    common = dict(model_dir=tiny_model_dir, disable_cuda_graph=not graphs)
+    plain = outputs(disable_overlap_schedule=True, **common)
+    assert outputs(disable_overlap_schedule=None, **common) == plain  # on by default
+
+
+def test_overlapped_hicache_equals_plain(tiny_model_dir: Path) -> None:
+    hicache = dict(enable_hierarchical_cache=True, hicache_ratio=4)
+    plain = engine_for(tiny_model_dir, disable_overlap_schedule=True, **hicache)
+    over = engine_for(tiny_model_dir, **hicache)
+    assert over.overlap
+    assert multiturn(over) == multiturn(plain)
+    plain.close()
+    over.close()
+
+
+def test_launching_a_decode_step_never_waits(tiny_model_dir: Path) -> None:
+    engine = engine_for(tiny_model_dir, kv_cache_tokens=1024)
+    assert engine.overlap and engine.runner.graphs is not None
+    engine.runner.graphs.capture(4, 256)
+    real_launch = engine.launch
+    checked: list[int] = []
+
+    def launch(batch: ScheduledBatch, keep_future: bool = False) -> LaunchedStep:
+        if not (batch.is_decode and any(r.future_ids for r in batch.reqs)):
+            return real_launch(batch, keep_future)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = real_launch(batch, keep_future)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(len(batch.reqs))
+        return step
+
+    engine.launch = launch  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.generate(prompts(3, 20, seed=5), params)
+    assert checked and set(checked) == {3}
+    engine.close()
