@@ -22,6 +22,7 @@ import torch
 from engine.grammar_matcher import DEFAULT_STEP_BUDGET_S, RequestGrammar
 from engine.grammar_pool import DEFAULT_CACHE_BYTES, CompilePool
 from engine.grammar_spec import GrammarError, GrammarSpec, check_spec
+from engine.host_alloc import pinned_empty
 
 if TYPE_CHECKING:
     from engine.request import Req
@@ -164,7 +165,7 @@ class BatchMask:
     """The bitmask rows of one sampling batch: row b of ``bitmask`` is sequence b."""
 
     masker: TokenMasker
-    bitmask: torch.Tensor  # [B, ceil(V / 32)] int32, on the host
+    bitmask: torch.Tensor  # [B, ceil(V / 32)] int32, on the masker's device
     rows: list[int]  # rows with a grammar that restricts the next token
     may_end_rows: list[int]  # rows whose grammar may end here (min_tokens must not ban EOS)
 
@@ -208,7 +209,18 @@ class TokenMasker:
                 may_end.append(b)
         if not rows and not may_end:
             return None
-        return BatchMask(self, bitmask[: len(reqs)], rows, may_end)
+        batch_mask = bitmask[: len(reqs)]  # [B, ceil(V / 32)]
+        return BatchMask(self, self._upload(batch_mask) if rows else batch_mask, rows, may_end)
+
+    def _upload(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """``bitmask`` on the masker's device, sent before the forward: the host buffer is
+        refilled next step, so it goes through a pinned staging copy and an asynchronous
+        upload that the forward overlaps (nothing to send on the CPU)."""
+        if self.device.type == "cpu":
+            return bitmask
+        staged = pinned_empty(tuple(bitmask.shape), bitmask.dtype)  # [B, ceil(V / 32)]
+        staged.copy_(bitmask)
+        return staged.to(self.device, non_blocking=True)
 
     def apply(self, logits: torch.Tensor, mask: BatchMask) -> None:
         """Set the disallowed logits of the masked rows to -inf, in place. ``logits`` [B, V]."""
@@ -216,10 +228,7 @@ class TokenMasker:
             return
         import xgrammar as xgr
 
-        bitmask = mask.bitmask
-        if bitmask.device != logits.device:
-            # A blocking copy: the host buffer is refilled next step.
-            bitmask = bitmask.to(logits.device)
+        bitmask = mask.bitmask  # already on the device (fill() sent it)
         xgr.apply_token_bitmask_inplace(
             logits,
             bitmask,

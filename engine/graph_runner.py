@@ -57,6 +57,8 @@ INPUT_ROWS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")
 # only ever holds slot ids) with a context of 1 (not 0: an all-masked row is NaN), and
 # its output is dropped.
 PAD_VALUES = (0, 0, 0, 0, 1)
+_OUT_SLOTS_ROW = INPUT_ROWS.index("out_slots")
+_LIST_ROWS = [i for i in range(len(INPUT_ROWS)) if i != _OUT_SLOTS_ROW]
 
 
 def graph_blockers(model: torch.nn.Module, max_batch: int = 1) -> list[str]:
@@ -150,6 +152,7 @@ class DecodeGraphRunner:
         self._inputs = torch.zeros(len(INPUT_ROWS) * max_batch, dtype=torch.int64, device=device)
         self._columns = torch.arange(req_table.max_context, device=device)  # [max_context]
         self._logits = torch.zeros(max_batch, self._vocab_width(), device=device)  # float32
+        self._pad_column = torch.tensor(PAD_VALUES, dtype=torch.int64)[:, None]  # [5, 1]
 
     @property
     def max_batch(self) -> int:
@@ -243,21 +246,19 @@ class DecodeGraphRunner:
         req_rows: list[int],
         seq_lens: list[int],
     ) -> None:
-        """This step's rows, padded to ``batch``, into the static inputs: one host buffer
-        (pinned on accelerators) and one asynchronous copy."""
-        pad = batch - len(seq_lens)
-        rows = (input_ids, positions, out_slots.tolist(), req_rows, seq_lens)
-        flat: list[int] = []
-        for values, pad_value in zip(rows, PAD_VALUES):
-            flat.extend(values)
-            flat.extend([pad_value] * pad)
-        size = len(INPUT_ROWS) * batch
+        """This step's rows, padded to ``batch``, into the static inputs: one staging
+        buffer (pinned on accelerators) filled by a fixed number of tensor operations,
+        whatever the batch, and one asynchronous copy."""
+        size = len(seq_lens)
         if self.device.type != "cpu":
-            host = pinned_empty(size, torch.int64)
-            host.copy_(torch.tensor(flat, dtype=torch.int64))
+            staged = pinned_empty((len(INPUT_ROWS), batch), torch.int64)
         else:
-            host = torch.tensor(flat, dtype=torch.int64)
-        self._inputs[:size].copy_(host, non_blocking=True)
+            staged = torch.empty(len(INPUT_ROWS), batch, dtype=torch.int64)
+        staged[:, size:] = self._pad_column  # [5, batch - B] the dummy row's values
+        # Every row but out_slots (already a tensor) in one conversion.
+        staged[_LIST_ROWS, :size] = torch.tensor([input_ids, positions, req_rows, seq_lens])
+        staged[_OUT_SLOTS_ROW, :size] = out_slots
+        self._inputs[: len(INPUT_ROWS) * batch].copy_(staged.view(-1), non_blocking=True)
 
     # ---- capture ------------------------------------------------------------------------
 

@@ -358,17 +358,12 @@ class Scheduler:
         if not order:
             return None
         retracted: list[Req] = []
-        slots: list[torch.Tensor] = []
-        ready: list[Req] = []
         # Most progress first: when KV runs out, the requests that generated least go.
         order.sort(key=lambda r: -len(r.output_ids))
-        i = 0
-        while i < len(order):
-            req = order[i]
+        while order:
             try:
-                slots.append(self.kv.alloc(req, 1))
-                ready.append(req)
-                i += 1
+                slots = self.kv.alloc_decode(order)  # the whole step's slots at once
+                break
             except OutOfSlotsError:
                 victim = order.pop()
                 if len(self.running) == 1:
@@ -379,15 +374,15 @@ class Scheduler:
                 else:
                     self._retract(victim)
                     retracted.append(victim)
-        if not ready:
+        if not order:
             return None
         return ScheduledBatch(
-            len(ready),
-            ready,
-            [r.kv_len - 1 for r in ready],
-            [1] * len(ready),
-            torch.cat(slots),
-            [True] * len(ready),
+            len(order),
+            order,
+            [r.kv_len - 1 for r in order],
+            [1] * len(order),
+            slots,
+            [True] * len(order),
             retracted,
         )
 

@@ -204,6 +204,38 @@ class KVCacheManager:
         req.kv_len = start + num_tokens
         return slots
 
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """One slot each for the next token of every request in ``reqs`` (a decode
+        step), ``[B]`` int64 in their order; bumps each kv_len by one.
+
+        A fixed number of tensor operations for the whole step, whatever B is. All or
+        nothing: evicts unlocked cache leaves when the free list is short, and raises
+        OutOfSlotsError, having changed nothing, when even that is not enough.
+        """
+        page = self.page_size
+        # A request whose owned tokens fill whole pages opens a new page; the rest
+        # continue their partial page.
+        opens = [(r.kv_len - r.prefix_len) % page == 0 for r in reqs]
+        num_pages = sum(opens)
+        short = num_pages - self.allocator.free_pages
+        if short > 0:
+            self.tree.evict(short * page)
+            if num_pages > self.allocator.free_pages:
+                raise OutOfSlotsError(
+                    f"need {num_pages} KV pages, {self.allocator.free_pages} free after eviction"
+                )
+        meta = torch.tensor([[r.row for r in reqs], [r.kv_len for r in reqs], opens])
+        rows, columns, opening = meta.unbind(0)  # [B] each
+        # Continuing a page: the slot after the previous token's (the CPU mirror: no
+        # sync). A row that opens a page reads a column it overwrites below.
+        slots = self.req_table.cpu[rows, columns - 1].to(torch.int64) + 1  # [B]
+        if num_pages:
+            slots[opening.bool()] = self.allocator.alloc_page_ids(num_pages) * page
+        self.req_table.write_cells(rows, columns, slots)
+        for req in reqs:
+            req.kv_len += 1
+        return slots
+
     # ------------------------------------------------------------------ landing
     def cache_prefix(self, req: Req) -> None:
         """Hand the computed whole pages of a still-running ``req`` to the tree, so other

@@ -34,7 +34,10 @@ class ReqTable:
             if self.on_device
             else self.cpu
         )
-        self._dirty: list[tuple[int, int, int]] = []  # (row, start, length) not yet uploaded
+        # Writes not yet uploaded: runs as (flat start, length) and single cells as flat
+        # positions (one tensor per batched write); flat = row * max_context + column.
+        self._dirty_runs: list[tuple[int, int]] = []
+        self._dirty_cells: list[torch.Tensor] = []
         self._free_rows: list[int] = list(range(max_rows - 1, -1, -1))
         # Tensor parallel (rank 0): every write, for the other ranks' copies of the table.
         self.journal = journal
@@ -61,7 +64,19 @@ class ReqTable:
             if self.journal is not None:
                 self.journal.append((row, start, self.cpu[row, start : start + n].clone()))
             if self.on_device:
-                self._dirty.append((row, start, n))
+                self._dirty_runs.append((row * self.max_context + start, n))
+
+    def write_cells(self, rows: torch.Tensor, columns: torch.Tensor, slots: torch.Tensor) -> None:
+        """Set one cell per row: ``table[rows[i], columns[i]] = slots[i]`` (CPU tensors,
+        ``[B]`` each), for a whole decode step at once."""
+        if not rows.numel():
+            return
+        self.cpu[rows, columns] = slots.to(torch.int32)
+        if self.journal is not None:  # tensor parallel: one record per row, as write() does
+            for row, column, slot in zip(rows.tolist(), columns.tolist(), slots.split(1)):
+                self.journal.append((row, column, slot.to(torch.int32)))
+        if self.on_device:
+            self._dirty_cells.append(rows.to(torch.int64) * self.max_context + columns)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of tokens ``start .. end-1`` of ``row`` as int64 on the CPU."""
@@ -72,19 +87,25 @@ class ReqTable:
 
     def flush(self) -> None:
         """Upload the writes since the last flush: one pinned buffer, one asynchronous
-        copy, one scatter on the device (ordered before the forward that reads them)."""
-        if not self._dirty:
+        copy, one scatter on the device (ordered before the forward that reads them).
+        Its cost does not grow with the number of writes: every run is expanded to its
+        positions in one ``repeat_interleave``."""
+        parts = list(self._dirty_cells)
+        if self._dirty_runs:
+            starts, lengths = torch.tensor(self._dirty_runs, dtype=torch.int64).unbind(1)
+            # Position j of the expanded runs: its run's start + (j - the run's offset).
+            offsets = torch.cumsum(lengths, 0) - lengths  # [R] where each run begins
+            shift = torch.repeat_interleave(starts - offsets, lengths)  # [N]
+            parts.append(torch.arange(shift.numel()) + shift)
+        if not parts:
             return
-        flat = torch.cat(
-            [
-                torch.arange(row * self.max_context + start, row * self.max_context + start + n)
-                for row, start, n in self._dirty
-            ]
-        )  # [N] positions in the flattened table
-        self._dirty.clear()
-        staged = pinned_empty(2 * flat.numel(), torch.int64)
-        staged[: flat.numel()] = flat
-        staged[flat.numel() :] = self.cpu.view(-1)[flat]
+        self._dirty_runs.clear()
+        self._dirty_cells.clear()
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N] flat positions
+        n = flat.numel()
+        staged = pinned_empty(2 * n, torch.int64)
+        staged[:n] = flat
+        staged[n:] = self.cpu.view(-1)[flat]
         uploaded = staged.to(self.table.device, non_blocking=True)  # [2 * N]
-        positions, values = uploaded.split(flat.numel())
+        positions, values = uploaded.split(n)
         self.table.view(-1).index_copy_(0, positions, values.to(torch.int32))

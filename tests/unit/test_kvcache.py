@@ -38,7 +38,7 @@ def owned_pages(manager: KVCacheManager, req: Req) -> list[int]:
 def check_exact_partition(manager: KVCacheManager, running: list[Req]) -> None:
     """Every page is exactly one of: free, owned by one running request, held by the tree."""
     manager.check_invariants(running)
-    free = list(manager.allocator._free_pages)
+    free = manager.allocator.free_page_ids()
     owned = [p for r in running for p in owned_pages(manager, r)]
     cached = tree_pages(manager.tree)
     everything = free + owned + cached
