@@ -32,6 +32,7 @@ class PageAllocator:
         self._stack = torch.arange(num_pages, 0, -1, dtype=torch.int64)
         self._num_free = num_pages
         self._pending: list[torch.Tensor] = []  # freed slot runs not yet on the stack
+        self._pending_sizes: list[int] = []  # their lengths
         self._offsets = torch.arange(page_size, dtype=torch.int64)
 
     @property
@@ -76,29 +77,26 @@ class PageAllocator:
     def free(self, slots: torch.Tensor) -> None:
         """Return the pages covering ``slots`` (whole pages of a request or a tree node;
         the last page of a request may be partly used). Taken back at the next use."""
-        if slots.numel():
+        n = slots.numel()
+        if n:
             self._pending.append(slots.reshape(-1))
+            self._pending_sizes.append(n)
 
     def _settle(self) -> None:
         """Push every page freed since the last call onto the stack, in one batch."""
         if not self._pending:
             return
-        runs = self._pending
-        self._pending = []
+        runs, sizes = self._pending, self._pending_sizes
+        self._pending, self._pending_sizes = [], []
         pages = torch.cat(runs).to(torch.int64) // self.page_size  # [slots freed]
-        if len(runs) > 1:
-            # NOTE: freeing a page twice would hand it to two owners; catch it at the
-            # source. A page belongs to one owner, so it appears in one run only: count
-            # distinct (page, run) pairs against distinct pages.
-            run_ids = torch.repeat_interleave(
-                torch.arange(len(runs)), torch.tensor([r.numel() for r in runs])
-            )
-            pairs = torch.unique(pages * len(runs) + run_ids)  # [distinct (page, run)]
-            page_ids = torch.unique(pairs // len(runs))  # [n] ascending
-            if page_ids.numel() != pairs.numel():
-                raise RuntimeError("KV page freed twice: two frees named the same page")
-        else:
-            page_ids = torch.unique(pages)  # [n] ascending
+        # NOTE: freeing a page twice would hand it to two owners; catch it at the source.
+        # A page belongs to one owner, so it appears in one run only: count distinct
+        # (page, run) pairs against distinct pages.
+        run_ids = torch.repeat_interleave(torch.arange(len(runs)), torch.tensor(sizes))
+        pairs = torch.unique(pages * len(runs) + run_ids)  # [distinct (page, run)]
+        page_ids = torch.unique(pairs // len(runs))  # [n] ascending
+        if page_ids.numel() != pairs.numel():
+            raise RuntimeError("KV page freed twice: two frees named the same page")
         n = page_ids.numel()
         if self._num_free + n > self.num_pages:
             raise RuntimeError("KV page freed twice: free list longer than the pool")
