@@ -10,6 +10,7 @@ the rank processes in engine/tp/runtime.py (rank 0) and engine/tp/worker.py.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -31,6 +32,9 @@ COLLECTIVE_BACKENDS = {
 }
 # Out-of-tree backends register themselves when their device package is imported.
 _PROVIDED_BY = {"mccl": "torch_musa", "hccl": "torch_npu"}
+# Leaving the group happens on the monitor thread (a worker died) and on the thread that
+# stops the runtime, possibly at once: one at a time.
+_LEAVE_LOCK = threading.Lock()
 
 
 def collective_backend(device: str | torch.device | DeviceSpec) -> str:
@@ -136,22 +140,23 @@ def abort_collectives() -> bool:
     NOTE: ``destroy_process_group()`` is collective on NCCL (it may wait for the peers'
     teardown), so a group with a dead or stranded rank is aborted, never destroyed.
     """
-    if not dist.is_initialized():
-        return False
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.3
-    if abort is None:
-        logger.warning("this torch build cannot abort a process group; leaving it as it is")
-        return False
-    abort()
-    return True
+    with _LEAVE_LOCK:
+        if not dist.is_initialized():
+            return False
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.3
+        if abort is None:
+            logger.warning("this torch build cannot abort a process group; leaving it as is")
+            return False
+        abort()
+        return True
 
 
 def leave_group(backend: str) -> None:
     """Leave every process group of this process without waiting for the peers: gloo's
     destroy is local; elsewhere destroy may be collective, so the group is aborted."""
-    if not dist.is_initialized():
-        return
-    if backend == "gloo":
-        dist.destroy_process_group()
-    else:
+    if backend != "gloo":
         abort_collectives()
+        return
+    with _LEAVE_LOCK:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -11,9 +11,11 @@ import torch.distributed as dist
 from engine.platform import DeviceSpec
 from engine.tp.collectives import (
     COLLECTIVE_BACKENDS,
+    abort_collectives,
     check_collective_backend,
     collective_backend,
     init_process_group,
+    leave_group,
     rank_devices,
 )
 
@@ -98,3 +100,29 @@ def test_gloo_group_of_one_all_reduces(tmp_path: Path) -> None:
         assert value.item() == 3.0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_leaving_the_group_destroys_on_gloo_and_aborts_elsewhere(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This torch's abort API must exist and work (the NCCL/MCCL failure path uses it); a
+    # gloo group stands in for the device group, which this CPU build cannot make.
+    calls: list[str] = []
+    real_destroy = dist.destroy_process_group
+    real_abort = dist.distributed_c10d._abort_process_group
+    monkeypatch.setattr(
+        dist, "destroy_process_group", lambda: (calls.append("destroy"), real_destroy())
+    )
+    monkeypatch.setattr(
+        dist.distributed_c10d,
+        "_abort_process_group",
+        lambda: (calls.append("abort"), real_abort()),
+    )
+    init_process_group("cpu", 0, 1, f"file://{tmp_path / 'rendezvous'}")
+    dist.new_group(backend="gloo")  # the control group goes too
+    leave_group(backend)
+    assert not dist.is_initialized()
+    assert calls == (["destroy"] if backend == "gloo" else ["abort"])
+    assert not abort_collectives()  # nothing left to abort
+    leave_group(backend)  # and leaving twice is harmless
