@@ -4,6 +4,8 @@
     python -m bench compare --target radix --target hicache --kv-cache-tokens 2048 --plot out.png
 
     python -m bench l3 --backends none file mooncake   # the L3 tier, restarts and replicas
+    python -m bench trace --workload multiturn -o trace.jsonl   # a cache trace, no server
+    python -m bench whatif trace.jsonl --plot curves.png       # hit rates by tier size
 
 ``run`` may be left out: ``python -m bench --base-url ...`` means ``run``.
 Exit status: 0 when every request succeeded, 1 when any failed or a run stopped early
@@ -33,7 +35,8 @@ from bench.workloads import PROMPT_MODES, WORKLOADS, Workload, WorkloadConfig, g
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags (also read by ``hiserve-bench trace``)."""
     defaults = WorkloadConfig()
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default=defaults.workload)
@@ -81,6 +84,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--suffix-len", type=int, default=defaults.suffix_len)
     w.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
     w.add_argument("--input-len", type=int, default=defaults.input_len)
+    w.add_argument(
+        "--zipf-s",
+        type=float,
+        default=defaults.zipf_s,
+        help="long-tail: document popularity ~ 1/rank^s",
+    )
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser)
     t = parser.add_argument_group("traffic")
     t.add_argument(
         "--request-rate",
@@ -176,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(
         workload=args.workload,
         seed=args.seed,
@@ -196,6 +209,7 @@ def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
         suffix_len=args.suffix_len,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
+        zipf_s=args.zipf_s,
     )
 
 
@@ -283,11 +297,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.l3_http import main as l3_main
 
         return l3_main(argv[1:])
+    if argv and argv[0] in ("trace", "whatif"):
+        from bench.whatif import main as whatif_main
+
+        return whatif_main(argv)
     if argv and argv[0] not in ("run", "compare", "-h", "--help"):
         argv.insert(0, "run")
     args = build_parser().parse_args(argv)
     try:
-        workload = generate(_workload_config(args))
+        workload = generate(workload_config(args))
         options = RunOptions(
             request_rate=args.request_rate,
             max_concurrency=args.max_concurrency,

@@ -124,15 +124,20 @@ def matmul_floor(model: Any, shapes: list[tuple[int, int]], repeats: int = 3) ->
 
 
 def weight_bytes_per_token(model: Any) -> int:
-    """Bytes of weights one decode step of one stream reads: each linear layer's (packed or
-    not), the LM head (the embedding for a tied model), the norms; not the embedding lookup."""
+    """Bytes of weights one decode step of one stream reads: each linear layer's (its GGUF
+    blocks when kept packed, else its dense weight), biases, the norms and the LM head (the
+    embedding table for a tied, unpacked model); not the embedding lookup (one row)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, FusedLinear):
+        if not isinstance(module, FusedLinear):
+            continue
+        if module.packed is not None:
+            total += module.packed.nbytes
+        else:
             itemsize = torch.empty(0, dtype=module.weight.dtype).element_size()
             total += module.in_features * module.out_features * itemsize
-            if module.bias is not None:
-                total += module.bias.numel() * module.bias.element_size()
+        if module.bias is not None:
+            total += module.bias.numel() * module.bias.element_size()
     for name, param in model.named_parameters():
         if "norm" in name:
             total += param.numel() * param.element_size()

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from bench.micro.bandwidth import read_bandwidth
-from bench.offline import make_workload, run_engine
+from bench.offline import make_workload, run_engine, weight_bytes_per_token
 from engine import Engine, EngineConfig
-from engine.layers.linear import FusedLinear
 
 # Format name -> the engine's --dtype for it (packed: auto on a GGUF, see dtypes.py).
 FORMATS = {"float32": "float32", "bf16": "bfloat16", "packed": "auto"}
@@ -31,32 +30,6 @@ class FormatResult(NamedTuple):
     single: float  # output tokens/s, one stream
     batch: float  # output tokens/s, batch of ``batch_size``
     bytes_per_token: int  # weights one decode step reads
-
-
-def bytes_read_per_token(model: Any) -> int:
-    """Bytes of weights one decode step of one stream reads: every linear layer (its GGUF
-    blocks when packed, else its dense weight), biases, norms and the LM head; not the
-    embedding lookup (one row)."""
-    total = 0
-    heads = []
-    for module in model.modules():
-        if not isinstance(module, FusedLinear):
-            continue
-        heads.append(module)
-        if module.packed is not None:
-            total += module.packed.nbytes
-        else:
-            itemsize = torch.empty(0, dtype=module.weight.dtype).element_size()
-            total += module.in_features * module.out_features * itemsize
-        if module.bias is not None:
-            total += module.bias.numel() * module.bias.element_size()
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            total += param.numel() * param.element_size()
-    if getattr(model, "lm_head", None) is None:  # tied and dense: the table itself
-        embed = model.model.embed_tokens
-        total += embed.numel() * embed.element_size()
-    return total
 
 
 def measure_format(
@@ -80,7 +53,7 @@ def measure_format(
         single = max(
             run_engine(engine, prompts[:1], [args.single_tokens]) for _ in range(args.repeats)
         )
-        return FormatResult(name, single, batch, bytes_read_per_token(engine.model))
+        return FormatResult(name, single, batch, weight_bytes_per_token(engine.model))
     finally:
         engine.close()
         del engine

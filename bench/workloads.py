@@ -21,7 +21,7 @@ import numpy as np
 
 from bench.words import text_for
 
-WORKLOADS = ("multiturn", "shared-prefix", "random")
+WORKLOADS = ("multiturn", "shared-prefix", "random", "long-tail")
 # tokens: prompts are token ids (exact accounting); text: the same draws as real words
 # (bench/words.py), for servers and routers that take text only.
 PROMPT_MODES = ("tokens", "text")
@@ -50,7 +50,9 @@ class WorkloadConfig:
     prompts_per_group: int = 8
     shared_prefix_len: int = 1024
     suffix_len: int = 128
-    # random
+    # long-tail: num_prompts requests over num_groups documents (also uses suffix_len)
+    zipf_s: float = 1.1  # document popularity ~ 1 / rank^s: a few hot, a long cold tail
+    # random (and long-tail)
     num_prompts: int = 32
     input_len: int = 512
 
@@ -65,6 +67,8 @@ class WorkloadConfig:
             raise ValueError(
                 f"vocab range [{self.vocab_low}, {self.vocab_high}) is empty or negative"
             )
+        if not self.zipf_s > 0.0:
+            raise ValueError(f"zipf_s must be > 0, got {self.zipf_s}")
         if not 0.0 < self.range_ratio <= 1.0:
             raise ValueError(f"range_ratio must be in (0, 1], got {self.range_ratio}")
         positive = (
@@ -124,6 +128,8 @@ def generate(config: WorkloadConfig) -> Workload:
         requests = _multiturn(config, rng)
     elif config.workload == "shared-prefix":
         requests = _shared_prefix(config, rng)
+    elif config.workload == "long-tail":
+        requests = _long_tail(config, rng)
     else:
         requests = _random(config, rng)
     if config.prompt_mode == "text":
@@ -180,6 +186,21 @@ def _shared_prefix(config: WorkloadConfig, rng: np.random.Generator) -> list[Ben
     # Interleave the groups (seeded) so each group's prefix has to survive the others.
     order = rng.permutation(len(prompts))
     return [BenchRequest(i, prompts[int(j)], config.output_len, i, 0) for i, j in enumerate(order)]
+
+
+def _long_tail(config: WorkloadConfig, rng: np.random.Generator) -> list[BenchRequest]:
+    """Documents of heavy-tailed length (lognormal around ``shared_prefix_len``, at most
+    4x) asked about with Zipf popularity, each request a new question (``suffix_len``)."""
+    lengths = rng.lognormal(math.log(max(config.shared_prefix_len, 1)), 0.75, config.num_groups)
+    cap = 4 * config.shared_prefix_len
+    documents = [_draw_tokens(config, rng, int(min(n, cap))) for n in lengths]
+    weights = 1.0 / np.arange(1, config.num_groups + 1) ** config.zipf_s
+    picks = rng.choice(config.num_groups, size=config.num_prompts, p=weights / weights.sum())
+    requests = []
+    for i, doc in enumerate(picks):
+        suffix = _draw_tokens(config, rng, _draw_len(config, rng, config.suffix_len))
+        requests.append(BenchRequest(i, documents[int(doc)] + suffix, config.output_len, i, 0))
+    return requests
 
 
 def _random(config: WorkloadConfig, rng: np.random.Generator) -> list[BenchRequest]:

@@ -73,6 +73,9 @@ class CacheConfig(ModelConfig):
     hicache_storage_prefetch_threshold: int = 256
     hicache_mooncake_master: str | None = None  # host:port of mooncake_master
     hicache_mooncake_metadata_server: str = "P2PHANDSHAKE"
+    # JSONL file of cache-relevant events per finished request (engine/cache_trace.py);
+    # None: no trace, and nothing is hashed.
+    cache_trace: str | None = None
 
 
 @dataclass(frozen=True)

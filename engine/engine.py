@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.build import build_engine_parts
+from engine.cache_salt import salt_digest
+from engine.cache_trace import CacheTracer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_stats import EngineStats
@@ -59,6 +61,9 @@ class Engine:
         self.reporter = EngineStats(self.scheduler, self.kv)
         self.counters = self.reporter.counters  # totals since start, also in stats()
         self.check_invariants = False  # tests turn this on: accounting checked every step
+        self.tracer = (
+            CacheTracer(config.cache_trace, config.page_size) if config.cache_trace else None
+        )
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv_tokens=%d page_size=%d "
             "max_model_len=%d tp=%d",
@@ -130,7 +135,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Req(request_id, prompt_ids, params)
+        req = Req(request_id, prompt_ids, params, cache_salt=salt_digest(params.cache_salt))
         req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         if params.seed is not None:
             req.generator = make_generator(params.seed, self.device)
@@ -241,11 +246,23 @@ class Engine:
                     reason = FinishReason.STOP
         req.finish_reason = reason
         req.grammar = None  # the matcher lives exactly as long as the request
+        if self.tracer is not None and req.reported_cache:
+            self._trace(req)
         if req.status != ReqStatus.FINISHED:
             self.scheduler.remove(req)
         req.status = ReqStatus.FINISHED
         self.requests.pop(req.request_id, None)
         self.counters["requests_finished_total"] += 1
+
+    def _trace(self, req: Req) -> None:
+        """Queue ``req`` for the cache trace while its KV length is still known."""
+        assert self.tracer is not None
+        prompt_len = len(req.prompt_ids)
+        kv_ids = req.all_ids[: max(req.kv_len, prompt_len)]
+        hit = {"device": req.cached_device, "host": req.cached_host, "storage": req.cached_storage}
+        self.tracer.record(
+            kv_ids, prompt_len, len(req.output_ids), req.arrival_time, req.cache_salt, hit
+        )
 
     # ------------------------------------------------------------------ offline
     def generate(
@@ -308,6 +325,8 @@ class Engine:
             self.tp.watch(callback)
 
     def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
         self.grammars.close()
         self.kv.close()
         if self.tp is not None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.cache_salt import check_cache_salt
 from engine.errors import InvalidRequestError
 from engine.grammar_spec import GrammarSpec
 from engine.kvcache.miss_reasons import MissReasons
@@ -49,6 +50,9 @@ class SamplingParams:
     # The API request this engine request is one copy of (n > 1, or several prompts): the
     # scheduler takes turns between groups instead of admitting a whole group first.
     group: str | None = None
+    # The tenant whose cached KV this request may reuse (engine/cache_salt.py); None:
+    # the unsalted cache. Not a sampling setting, but it travels with every copy.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +74,7 @@ class SamplingParams:
     ) -> None:
         """Raise InvalidRequestError naming the offending field; every check is cheap (the lengths
         are bounded before anything walks a list)."""
+        check_cache_salt(self.cache_salt)
         # max_tokens 0 only scores the prompt: it needs prompt_logprobs to mean anything.
         least = 0 if self.prompt_logprobs is not None else 1
         if not isinstance(self.max_tokens, int) or self.max_tokens < least:
@@ -223,6 +228,8 @@ class Req:
     kv_len: int = 0  # tokens whose KV is in the device pool
     prefix_len: int = 0  # tokens of kv_len held by locked tree nodes
     last_node: Any = None  # deepest locked tree node
+    # Digest of params.cache_salt ("" without one): the caches key this request by it.
+    cache_salt: str = ""
     # Reporting (first admission only: a retracted request keeps its first numbers)
     cached_device: int = 0
     cached_host: int = 0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engine.config import SchedulerConfig
+from engine.group_turns import GroupTurns
 from engine.kvcache.allocator import OutOfSlotsError
 from engine.kvcache.manager import KVCacheManager
 from engine.request import Req, ReqStatus
@@ -18,10 +19,6 @@ LPM_MAX_WAITING = 128
 # lpm lets a request with a longer cached prefix go first; one passed over by later
 # arrivals this many times goes ahead of all of them, so lpm never starves anyone.
 MAX_TIMES_PASSED = 8
-# Copies of one API request (SamplingParams.group) admitted per prefill step. The copies
-# of a large-n request queue together; taking a few per step and then moving on lets the
-# requests behind them in at once, rather than after the whole group (issue 25 item 5).
-GROUP_ADMITS_PER_STEP = 2
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -182,6 +179,8 @@ class Scheduler:
         key = req.all_ids[: req.seq_len - 1]  # what admission matches against the tree
         # Waiting pays once it saves a whole page (the tree caches whole pages only).
         for other in in_flight:
+            if other.cache_salt != req.cache_salt:
+                continue  # another tenant's pages are never this request's hit
             if common_prefix_len(key, other.prompt_ids) - cached_len >= self.kv.page_size:
                 return True
         return False
@@ -290,19 +289,11 @@ class Scheduler:
         in_flight = [r for r in self.running if self._unlanded(r) > 0]
         admitted: list[Req] = []
         order = self._ordered_waiting() if admit else []
-        # NOTE: fairness between API requests: a group takes at most GROUP_ADMITS_PER_STEP
-        # admissions per step, and at most half the running slots while others wait.
-        group_share = max(1, self.config.max_running_requests // 2)
-        holding = Counter(r.params.group for r in self.running if r.params.group is not None)
-        taken: Counter[str] = Counter()
+        turns = GroupTurns(self.running, self.waiting, self.config.max_running_requests)
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            group = req.params.group
-            if group is not None and (
-                taken[group] >= GROUP_ADMITS_PER_STEP
-                or (holding[group] >= group_share and self._others_wait(group))
-            ):
+            if not turns.may_admit(req):
                 continue  # its other copies wait their turn; those behind them go first
             if req.grammar is not None and not req.grammar.ready:
                 continue  # its grammar is still compiling; it must not hold back others
@@ -343,9 +334,7 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
-            if group is not None:
-                taken[group] += 1
-                holding[group] += 1
+            turns.admitted(req)
             if self._unlanded(req) > 0:
                 in_flight.append(req)
             available -= need
@@ -353,10 +342,6 @@ class Scheduler:
         if not reqs:
             return None
         return ScheduledBatch(0, reqs, starts, lens, torch.cat(slots), sample)
-
-    def _others_wait(self, group: str) -> bool:
-        """Whether a waiting request belongs to another API request than ``group``."""
-        return any(r.params.group != group for r in self.waiting)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         order = [r for r in self.running if r.kv_len == r.seq_len - 1]

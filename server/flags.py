@@ -79,6 +79,12 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("kv-mem-fraction", "fraction of free device memory for KV", "kv_mem_fraction"),
     FlagSpec("page-size", "tokens per KV page", "page_size"),
     FlagSpec(
+        "cache-trace",
+        "write a cache trace (JSONL: page-hash chains and hits per request, no text or "
+        "token ids) to this file, for hiserve-bench whatif",
+        "cache_trace",
+    ),
+    FlagSpec(
         "disable-radix-cache", "turn the prefix cache off", "enable_prefix_cache", invert=True
     ),
     FlagSpec(

@@ -45,7 +45,8 @@ from server.serving import (
 from server.sse import SSE_DONE, SSEResponse, sse_event
 from server.tools.definitions import ToolPlan, tool_plan
 from server.tools.prompt import with_tools
-from server.tools.response import ToolStream, finish_tools, tool_call_deltas, tool_calls_of
+from server.tools.response import finish_tools, tool_calls_of
+from server.tools.stream import ToolStream
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -207,9 +208,9 @@ def _tool_events(
     k: int, out: RequestOutput, logprobs: ChatLogprobs | None, stream: ToolStream
 ) -> list[ChatStreamChoice]:
     """Choice k's stream events for one output when tools are on: content as soon as it
-    cannot be part of a call, the calls once the reply is complete."""
+    cannot be part of a call, each call's id and name, then its arguments as written."""
     events = []
-    content = stream.feed(out.new_text)
+    content, calls = stream.feed(out.new_text)
     if content or logprobs:
         events.append(
             ChatStreamChoice(
@@ -217,11 +218,13 @@ def _tool_events(
             )
         )
     if out.finished:
-        rest, outcome = stream.finish(out.finish_reason)
+        rest, final_calls, outcome = stream.finish(out.finish_reason)
+        calls += final_calls
         if rest:
             events.append(ChatStreamChoice(index=k, delta=DeltaMessage(content=rest)))
-        for fragment in tool_call_deltas(outcome.calls):
-            events.append(ChatStreamChoice(index=k, delta=DeltaMessage(tool_calls=fragment)))
+    for fragment in calls:
+        events.append(ChatStreamChoice(index=k, delta=DeltaMessage(tool_calls=fragment)))
+    if out.finished:
         events.append(
             ChatStreamChoice(index=k, delta=DeltaMessage(), finish_reason=outcome.finish_reason)
         )

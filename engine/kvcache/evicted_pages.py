@@ -31,15 +31,23 @@ def page_digests(prior: int, tokens: Sequence[int], page_size: int) -> Iterator[
         yield prior
 
 
-def end_digest(node: TreeNode, page_size: int) -> int:
-    """The chain digest of the prefix that ends with ``node`` (root: ``ROOT_DIGEST``);
-    memoised on the nodes (a node's end never moves: a split makes a new upper node)."""
+def chain_start(salt: str) -> int:
+    """The digest of the empty prefix under ``salt`` (a cache_salt digest, "" for none):
+    each salt's chains are disjoint, so one tenant's evictions never show in another's
+    miss reasons (an `evicted` there would tell that someone sent the prompt)."""
+    return hash(("cache_salt", salt)) if salt else ROOT_DIGEST
+
+
+def end_digest(node: TreeNode, page_size: int, salt: str = "") -> int:
+    """The chain digest of the prefix that ends with ``node`` (the root: the start of
+    ``salt``'s chains; below it a node's own salt rules); memoised on the nodes (a node's
+    end never moves: a split makes a new upper node)."""
     path: list[TreeNode] = []
     while node.parent is not None and node.digest is None:
         path.append(node)
         node = node.parent
-    prior = ROOT_DIGEST if node.parent is None else node.digest
-    assert prior is not None
+    start = node.digest if node.parent is not None else None
+    prior = chain_start(path[-1].salt if path else salt) if start is None else start
     for upper in reversed(path):
         for digest in page_digests(prior, upper.key, page_size):
             prior = digest
@@ -73,7 +81,7 @@ class EvictedPages:
     def record(self, node: TreeNode, page_size: int) -> None:
         """``node`` leaves the tree: remember each of its pages (its parent still linked)."""
         assert node.parent is not None
-        prior = end_digest(node.parent, page_size)
+        prior = end_digest(node.parent, page_size, node.salt)
         for digest in page_digests(prior, node.key, page_size):
             self.add(digest)
 

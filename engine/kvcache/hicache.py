@@ -136,9 +136,9 @@ class HiRadixCache(RadixCache):
     def _on_revive_node(self, node: TreeNode) -> None:
         self._on_insert_node(node)
 
-    def match_prefix(self, key: list[int], touch: bool = True) -> MatchResult:
+    def match_prefix(self, key: list[int], touch: bool = True, salt: str = "") -> MatchResult:
         self.poll()
-        return super().match_prefix(key, touch)
+        return super().match_prefix(key, touch, salt)
 
     def touch(self, match: MatchResult) -> None:
         super().touch(match)
@@ -282,13 +282,13 @@ class HiRadixCache(RadixCache):
         )
 
     # ------------------------------------------------------------------ L3 prefetch
-    def start_prefetch(self, match: MatchResult, key: list[int]) -> Prefetch | None:
-        """Start reading the L3 pages that continue ``match`` along ``key`` (never blocks);
-        None without a store or when nothing is worth looking up."""
+    def start_prefetch(self, match: MatchResult, key: list[int], salt: str = "") -> Prefetch | None:
+        """Start reading the L3 pages that continue ``match`` along ``key`` under ``salt``
+        (never blocks); None without a store or when nothing is worth looking up."""
         if self.storage is None:
             return None
         start = match.device_len + match.host_len
-        return self.storage.start_prefetch(match.host_node, start, key[start:])
+        return self.storage.start_prefetch(match.host_node, start, key[start:], salt)
 
     def prefetch_done(self, prefetch: Prefetch) -> bool:
         """Whether ``prefetch`` is decided (then ``finish_prefetch``); never blocks."""
@@ -307,7 +307,7 @@ class HiRadixCache(RadixCache):
         # continues it only if the prefix it was read for is still cached (else drop it);
         # tokens cached meanwhile (another request computed them) are not added twice.
         end = prefetch.start + len(tokens)
-        match = self.match_prefix(key[:end], touch=False)
+        match = self.match_prefix(key[:end], touch=False, salt=prefetch.salt)
         have = match.device_len + match.host_len
         if have < prefetch.start or have >= end:
             self.host_pool.free(host_slots)
@@ -317,10 +317,10 @@ class HiRadixCache(RadixCache):
             self.host_pool.free(host_slots[:skip])
         # match stopped at host_node because no child starts with the next page, so the
         # new node is a new child; it hangs below a device or host node as it must.
-        node = TreeNode(tokens[skip:], None, match.host_node)
+        node = TreeNode(tokens[skip:], None, match.host_node, prefetch.salt)
         node.host_value = host_slots[skip:]
         node.in_storage = True
-        match.host_node.children[self._page_key(node.key)] = node
+        match.host_node.children[self._node_key(node)] = node
         self.host_cached_tokens += len(node.key)
         return len(node.key)
 

@@ -59,7 +59,7 @@ class KVCacheManager:
         the tree in between); it is then not matched a second time."""
         req.row = self.req_table.alloc_row()
         if match is None:
-            match = self.tree.match_prefix(self._match_key(req))
+            match = self.tree.match_prefix(self._match_key(req), salt=req.cache_salt)
         else:
             self.tree.touch(match)
         # Lock before any load-back: its allocation may evict, never our own prefix.
@@ -102,7 +102,7 @@ class KVCacheManager:
         for span in (not_loaded, late):
             if span is not None and span[0] <= resume:
                 resume = max(resume, min(span[1], cacheable))
-        prior = end_digest(req.last_node, self.page_size)
+        prior = end_digest(req.last_node, self.page_size, req.cache_salt)
         seen = self.tree.evicted_pages.seen_len(
             prior, key[cached_len:cacheable], self.page_size, skip=resume - cached_len
         )
@@ -124,7 +124,7 @@ class KVCacheManager:
         key = self._match_key(req)
         prefetch = self._prefetches.get(req.request_id)
         if prefetch is None:
-            prefetch = self.tree.start_prefetch(match, key)
+            prefetch = self.tree.start_prefetch(match, key, req.cache_salt)
             if prefetch is None:
                 return match
             self._prefetches[req.request_id] = prefetch
@@ -135,7 +135,9 @@ class KVCacheManager:
         self._from_storage[req.request_id] = added
         if prefetch.late is not None:
             self._late[req.request_id] = prefetch.late
-        return self.tree.match_prefix(key, touch=False) if added else match
+        if not added:
+            return match
+        return self.tree.match_prefix(key, touch=False, salt=req.cache_salt)
 
     def drop_prefetch(self, req: Req) -> None:
         """``req`` left the queue for good: give up its prefetch, if any."""
@@ -164,7 +166,7 @@ class KVCacheManager:
 
     def match(self, req: Req) -> MatchResult:
         """``req``'s longest cached prefix, without locking or touching anything."""
-        return self.tree.match_prefix(self._match_key(req), touch=False)
+        return self.tree.match_prefix(self._match_key(req), touch=False, salt=req.cache_salt)
 
     def peek_prefix_len(self, req: Req) -> int:
         """Device-cached prefix length without locking (for the lpm policy)."""
@@ -219,10 +221,10 @@ class KVCacheManager:
             return
         key = req.all_ids[:aligned]
         slots = self.req_table.read(req.row, 0, aligned)
-        already = self.tree.insert(key, slots)
+        already = self.tree.insert(key, slots, req.cache_salt)
         if already > req.prefix_len:
             self.allocator.free(slots[req.prefix_len : already])
-        match = self.tree.match_prefix(key, touch=False)
+        match = self.tree.match_prefix(key, touch=False, salt=req.cache_salt)
         assert match.device_len == aligned, "a just-inserted prefix must match in full"
         self.tree.lock(match.device_node)
         self.tree.unlock(req.last_node)
@@ -240,7 +242,7 @@ class KVCacheManager:
         page = self.page_size
         aligned = kv_len - (kv_len - req.prefix_len) % page if self.tree.enabled else req.prefix_len
         if self.tree.enabled and aligned > req.prefix_len:
-            already = self.tree.insert(req.all_ids[:aligned], slots[:aligned])
+            already = self.tree.insert(req.all_ids[:aligned], slots[:aligned], req.cache_salt)
             # Tokens the tree already held were computed twice; drop this copy.
             if already > req.prefix_len:
                 self.allocator.free(slots[req.prefix_len : already])

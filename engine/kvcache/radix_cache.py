@@ -40,8 +40,25 @@ class RadixCache(PrefixTree):
         self.cached_tokens = 0  # device tokens held by nodes
         self.protected_tokens = 0  # device tokens held by locked nodes
 
-    def _page_key(self, key: list[int], start: int = 0) -> tuple[int, ...]:
-        return tuple(key[start : start + self.page_size])
+    def _child_key(
+        self, parent: TreeNode, key: list[int], start: int, salt: str
+    ) -> tuple[int | str, ...]:
+        """The entry in ``parent.children`` of the child whose key starts with
+        ``key[start:]``: its first page.
+
+        NOTE: below the root a salted child's entry also names the salt, so each salt
+        has its own subtrees and a lookup under one salt never reaches another's (or
+        the unsalted) nodes; unsalted entries are the bare page, as they always were.
+        """
+        page = tuple(key[start : start + self.page_size])
+        if salt and parent is self.root:
+            return (salt, *page)
+        return page
+
+    def _node_key(self, node: TreeNode) -> tuple[int | str, ...]:
+        """``node``'s entry in its parent's children."""
+        assert node.parent is not None
+        return self._child_key(node.parent, node.key, 0, node.salt)
 
     def _common_len(self, a: list[int], b: list[int], b_start: int) -> int:
         n = min(len(a), len(b) - b_start)
@@ -53,8 +70,9 @@ class RadixCache(PrefixTree):
         return i - i % self.page_size
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, key: list[int], touch: bool = True) -> MatchResult:
-        """Longest page-aligned cached prefix of ``key``; splits a node matched partway."""
+    def match_prefix(self, key: list[int], touch: bool = True, salt: str = "") -> MatchResult:
+        """Longest page-aligned cached prefix of ``key`` among the nodes of ``salt`` (a
+        cache_salt digest; "" for unsalted); splits a node matched partway."""
         if not self.enabled:
             return MatchResult(_EMPTY, self.root, 0, self.root)
         node = self.root
@@ -63,7 +81,7 @@ class RadixCache(PrefixTree):
         host_len = 0
         pos = 0
         while len(key) - pos >= self.page_size:
-            child = node.children.get(self._page_key(key, pos))
+            child = node.children.get(self._child_key(node, key, pos, salt))
             if child is None:
                 break
             matched = self._common_len(child.key, key, pos)
@@ -100,7 +118,7 @@ class RadixCache(PrefixTree):
         """Cut ``child`` after ``at`` tokens; return the new upper node."""
         parent = child.parent
         assert parent is not None
-        upper = TreeNode(child.key[:at], None, parent)
+        upper = TreeNode(child.key[:at], None, parent, child.salt)
         upper.value = child.value[:at] if child.value is not None else None
         upper.host_value = child.host_value[:at] if child.host_value is not None else None
         upper.lock_ref = child.lock_ref
@@ -111,14 +129,15 @@ class RadixCache(PrefixTree):
         child.value = child.value[at:] if child.value is not None else None
         child.host_value = child.host_value[at:] if child.host_value is not None else None
         child.parent = upper
-        upper.children[self._page_key(child.key)] = child
-        parent.children[self._page_key(upper.key)] = upper
+        upper.children[self._node_key(child)] = child
+        parent.children[self._node_key(upper)] = upper
         return upper
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: list[int], slots: torch.Tensor) -> int:
-        """Insert page-aligned ``key`` with device ``slots``; return how many leading
-        tokens were already cached on the device (the caller frees its copies of those).
+    def insert(self, key: list[int], slots: torch.Tensor, salt: str = "") -> int:
+        """Insert page-aligned ``key`` with device ``slots`` under ``salt`` (as in
+        match_prefix); return how many leading tokens were already cached on the device
+        (the caller frees its copies of those).
         """
         assert len(key) == slots.numel() and len(key) % self.page_size == 0
         if not self.enabled:
@@ -128,11 +147,11 @@ class RadixCache(PrefixTree):
         pos = 0
         already = 0
         while pos < len(key):
-            child = node.children.get(self._page_key(key, pos))
+            child = node.children.get(self._child_key(node, key, pos, salt))
             if child is None:
-                new = TreeNode(key[pos:], slots[pos:].clone(), node)
+                new = TreeNode(key[pos:], slots[pos:].clone(), node, salt)
                 new.last_access = now
-                node.children[self._page_key(new.key)] = new
+                node.children[self._node_key(new)] = new
                 self.cached_tokens += len(new.key)
                 self._on_insert_node(new)
                 return already
@@ -230,7 +249,7 @@ class RadixCache(PrefixTree):
     def _delete(self, node: TreeNode) -> None:
         assert not node.children and node.parent is not None
         self.evicted_pages.record(node, self.page_size)
-        del node.parent.children[self._page_key(node.key)]
+        del node.parent.children[self._node_key(node)]
         node.parent = None
 
     def clear(self) -> bool:

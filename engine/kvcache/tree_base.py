@@ -53,13 +53,13 @@ class PrefixTree(ABC):
 
     # ------------------------------------------------------------------ the tree
     @abstractmethod
-    def match_prefix(self, key: list[int], touch: bool = True) -> MatchResult: ...
+    def match_prefix(self, key: list[int], touch: bool = True, salt: str = "") -> MatchResult: ...
 
     @abstractmethod
     def touch(self, match: MatchResult) -> None: ...
 
     @abstractmethod
-    def insert(self, key: list[int], slots: torch.Tensor) -> int: ...
+    def insert(self, key: list[int], slots: torch.Tensor, salt: str = "") -> int: ...
 
     @abstractmethod
     def lock(self, node: TreeNode) -> None: ...
@@ -93,8 +93,9 @@ class PrefixTree(ABC):
         each of them layer by layer before reading KV."""
         return []
 
-    def start_prefetch(self, match: MatchResult, key: list[int]) -> Any:
-        """Start reading stored (L3) pages that continue ``match``; None: nothing to read."""
+    def start_prefetch(self, match: MatchResult, key: list[int], salt: str = "") -> Any:
+        """Start reading stored (L3) pages that continue ``match`` (a match of ``key``
+        under ``salt``); None: nothing to read."""
         return None
 
     def prefetch_done(self, prefetch: Any) -> bool:

@@ -18,6 +18,8 @@ class TreeNode:
     ``in_storage``: whether all its pages are known to be in that store (L3 only).
     ``digest``: page-chain digest of the prefix that ends with it, once computed
     (engine/kvcache/evicted_pages.py).
+    ``salt``: digest of the cache_salt of the requests that made it ("" without one);
+    every node of a subtree below the root has its root-level ancestor's salt.
     """
 
     __slots__ = (
@@ -31,17 +33,27 @@ class TreeNode:
         "last_access",
         "lock_ref",
         "parent",
+        "salt",
         "storage_key",
         "value",
     )
     _ids = itertools.count()
 
-    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None):
+    def __init__(
+        self,
+        key: list[int],
+        value: torch.Tensor | None,
+        parent: TreeNode | None,
+        salt: str = "",
+    ) -> None:
         self.key = key
+        self.salt = salt
         self.value = value
         self.host_value: torch.Tensor | None = None
         self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
+        # first page of the child's key -> child; below the root a salted child's entry
+        # is (salt, *page) instead (RadixCache._child_key)
+        self.children: dict[tuple[int | str, ...], TreeNode] = {}
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.hit_count = 0

@@ -1,4 +1,4 @@
-"""From a finished (or growing) reply to OpenAI's ``message.tool_calls`` and stream deltas.
+"""From a finished reply to OpenAI's ``message.tool_calls`` (streamed: server/tools/stream.py).
 
 finish_reason rules (OpenAI's, as vLLM applies them): ``tool_calls`` when calls were made
 under "auto" or "required", ``stop`` for a named function, and ``length`` (with the raw
@@ -11,12 +11,7 @@ import secrets
 import string
 from dataclasses import dataclass
 
-from server.protocol import (
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
-)
+from server.protocol import FunctionCall, ToolCall
 from server.tools.definitions import ToolPlan, arguments_text
 from server.tools.parsers import ParsedCall, ToolCallParser, load_json
 
@@ -86,59 +81,3 @@ def tool_calls_of(calls: list[ParsedCall]) -> list[ToolCall]:
         ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in calls
     ]
-
-
-def tool_call_deltas(calls: list[ParsedCall]) -> list[list[DeltaToolCall]]:
-    """Stream fragments of ``calls``: per call, one delta with its id and name, then one with
-    its arguments. Concatenating the fragments of each index gives the call back."""
-    deltas = []
-    for index, call in enumerate(calls):
-        deltas.append(
-            [
-                DeltaToolCall(
-                    index=index,
-                    id=new_call_id(),
-                    type="function",
-                    function=DeltaFunctionCall(name=call.name, arguments=""),
-                )
-            ]
-        )
-        deltas.append(
-            [DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]
-        )
-    return deltas
-
-
-class ToolStream:
-    """One choice's reply as it streams: content goes out as soon as it cannot be a call.
-
-    NOTE: what ``feed`` emits is always a prefix of the content ``finish`` settles on, so
-    the streamed deltas reassemble to the non-streamed message.
-    """
-
-    def __init__(self, plan: ToolPlan, parser: ToolCallParser) -> None:
-        self.plan = plan
-        self.parser = parser
-        self.text = ""
-        self.sent = 0  # characters of content already streamed
-
-    def feed(self, new_text: str) -> str:
-        """Content that can be streamed now."""
-        self.text += new_text
-        if self.plan.mode != "auto":
-            return ""  # the whole reply is the call(s): held until it is complete
-        end = self.parser.content_end(self.text)
-        if end <= self.sent:
-            return ""
-        out = self.text[self.sent : end]
-        self.sent = end
-        return out
-
-    def finish(self, finish_reason: str | None) -> tuple[str, ToolOutcome]:
-        """(content still to stream, the outcome) once the reply is complete."""
-        outcome = finish_tools(self.plan, self.parser, self.text, finish_reason)
-        content = outcome.content or ""
-        streamed = self.text[: self.sent]
-        if not content.startswith(streamed):  # cannot happen if content_end is right
-            raise RuntimeError("tool-call stream emitted content the final parse disowned")
-        return content[self.sent :], outcome

@@ -1,8 +1,8 @@
-"""Structured-output and tool-call API on a scripted engine, through the official client.
+"""Structured outputs on a scripted engine, through the official client and raw HTTP.
 
 The engine here writes canned replies, so these tests pin down the server's side: which
 constraint reaches the engine, every bad input as a 400 naming its field before anything
-is queued, and tool calls parsed from model text, streamed and not, in the OpenAI shape.
+is queued (tool calls: test_server_tools_fake.py).
 """
 
 from __future__ import annotations
@@ -14,58 +14,24 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
-from engine.config import EngineConfig
 from engine.grammar_spec import GrammarSpec
-from server.app import create_app
-from server.args import ServerArgs
-from tests.integration.fake_engine import FakeEngine
-
-KEY = "fake-key"
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-
-Fake = tuple[FakeEngine, Any]
+from tests.integration.fake_server import (
+    KEY,
+    SCHEMA,
+    USER,
+    WEATHER,
+    Fake,
+    fake_server,
+    post,
+)
 
 
 @pytest.fixture
 def fake(tools: SimpleNamespace) -> Iterator[Fake]:
-    holder: dict[str, FakeEngine] = {}
-
-    def factory(config: EngineConfig) -> FakeEngine:
-        engine = FakeEngine(config, step_delay=0.0)
-        engine.max_model_len = 4096  # room for the tool instructions (one token per byte)
-        holder["engine"] = engine
-        return engine
-
-    args = ServerArgs(engine=EngineConfig(), api_key=KEY)
-    with tools.ThreadServer(create_app(args, engine_factory=factory)) as srv:
-        assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
-        yield holder["engine"], srv
-
-
-def client_of(srv: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=KEY, max_retries=0)
-
-
-def post(srv: Any, route: str, body: dict[str, Any]) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    return httpx.post(srv.base_url + route, json=body, headers=headers, timeout=30)
+    with fake_server(tools) as served:
+        yield served
 
 
 # ---------------------------------------------------------------- which constraint
@@ -214,169 +180,6 @@ def test_bad_input_is_a_400_before_queueing(
     assert error["param"] == param, error
     assert error["message"]
     assert engine.calls == []
-
-
-# ---------------------------------------------------------------- tool calls
-
-
-def reassemble(stream: Any) -> tuple[str | None, list[dict[str, str]], str | None]:
-    """Content, tool calls and finish_reason from streamed chunks, as a client rebuilds them."""
-    content = ""
-    calls: dict[int, dict[str, str]] = {}
-    finish = None
-    for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta
-            content += delta.content or ""
-            for fragment in delta.tool_calls or []:
-                call = calls.setdefault(fragment.index, {"id": "", "name": "", "arguments": ""})
-                call["id"] += fragment.id or ""
-                if fragment.function is not None:
-                    call["name"] += fragment.function.name or ""
-                    call["arguments"] += fragment.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return content or None, [calls[i] for i in sorted(calls)], finish
-
-
-def both_ways(
-    srv: Any, **kw: Any
-) -> tuple[Any, tuple[str | None, list[dict[str, str]], str | None]]:
-    client = client_of(srv)
-    whole = client.chat.completions.create(model="fake-model", messages=USER, **kw).choices[0]
-    streamed = reassemble(
-        client.chat.completions.create(model="fake-model", messages=USER, stream=True, **kw)
-    )
-    return whole, streamed
-
-
-def calls_of(choice: Any) -> list[dict[str, str]]:
-    return [
-        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-        for c in choice.message.tool_calls or []
-    ]
-
-
-def same_calls(a: list[dict[str, str]], b: list[dict[str, str]]) -> bool:
-    strip = [{k: v for k, v in c.items() if k != "id"} for c in a]
-    return strip == [{k: v for k, v in c.items() if k != "id"} for c in b]
-
-
-HERMES_REPLY = (
-    "Let me check that.\n<tool_call>\n"
-    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-)
-
-
-def test_auto_parses_hermes_calls_streamed_and_not(fake: Fake) -> None:
-    engine, srv = fake
-    engine.reply = HERMES_REPLY
-    whole, (content, calls, finish) = both_ways(srv, tools=[WEATHER, TIME], max_tokens=400)
-    assert whole.finish_reason == "tool_calls" == finish
-    assert whole.message.content == "Let me check that." == content
-    got = calls_of(whole)
-    assert [c["name"] for c in got] == ["get_weather", "get_time"]
-    assert json.loads(got[0]["arguments"]) == {"city": "Paris", "unit": "c"}
-    assert json.loads(got[1]["arguments"]) == {}
-    assert all(c["id"].startswith("call_") and len(c["id"]) == 29 for c in got + calls)
-    assert same_calls(got, calls)
-    # Auto leaves the text free: no constraint went to the engine.
-    assert all(params.grammar is None for _, params in engine.calls)
-
-
-@pytest.mark.parametrize(
-    "reply",
-    [
-        "Paris is sunny today, no tool needed.",
-        "I would use <tool_call> tags, but not now.",  # a marker without a JSON call
-        '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',
-        "a < b <tool",  # ends with what could have been the start of a marker
-    ],
-)
-def test_auto_without_a_call_is_plain_content(fake: Fake, reply: str) -> None:
-    engine, srv = fake
-    engine.reply = reply
-    whole, (content, calls, finish) = both_ways(srv, tools=[WEATHER], max_tokens=400)
-    assert whole.finish_reason == "stop" == finish
-    assert whole.message.content == reply == content
-    assert whole.message.tool_calls is None and calls == []
-
-
-def test_cut_reply_is_length_and_never_a_call(fake: Fake) -> None:
-    engine, srv = fake
-    engine.reply = HERMES_REPLY
-    whole, (content, calls, finish) = both_ways(srv, tools=[WEATHER, TIME], max_tokens=40)
-    assert whole.finish_reason == "length" == finish
-    assert whole.message.content == HERMES_REPLY[:40] == content
-    assert whole.message.tool_calls is None and calls == []
-
-
-def test_required_and_named_send_a_schema_and_shape_the_reply(fake: Fake) -> None:
-    engine, srv = fake
-    engine.reply = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
-    whole, (content, calls, finish) = both_ways(
-        srv, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False
-    )
-    schema = json.loads(engine.calls[-1][1].grammar.value)
-    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
-    names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
-    assert names == [["get_weather"], ["get_time"]]
-    assert whole.finish_reason == "tool_calls" == finish
-    assert whole.message.content is None and content is None
-    assert calls_of(whole)[0]["name"] == "get_weather"
-    assert json.loads(calls_of(whole)[0]["arguments"]) == {"city": "Oslo"}
-    assert same_calls(calls_of(whole), calls)
-
-    engine.reply = '{"city": "Rome", "unit": "f"}'
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    whole, (content, calls, finish) = both_ways(srv, tools=[WEATHER, TIME], tool_choice=named)
-    assert json.loads(engine.calls[-1][1].grammar.value) == WEATHER["function"]["parameters"]
-    assert whole.finish_reason == "stop" == finish  # OpenAI: a named call ends with stop
-    assert calls_of(whole)[0]["name"] == "get_weather"
-    assert json.loads(calls_of(whole)[0]["arguments"]) == {"city": "Rome", "unit": "f"}
-    assert same_calls(calls_of(whole), calls)
-
-
-def test_tool_choice_none_sends_no_tools(fake: Fake) -> None:
-    engine, srv = fake
-    engine.reply = HERMES_REPLY
-    whole = (
-        client_of(srv)
-        .chat.completions.create(
-            model="fake-model", messages=USER, tools=[WEATHER], tool_choice="none"
-        )
-        .choices[0]
-    )
-    assert whole.message.content == HERMES_REPLY and whole.message.tool_calls is None
-    assert whole.finish_reason == "stop"
-
-
-def test_tool_prompt_and_history_are_written_for_a_template_without_tools(fake: Fake) -> None:
-    engine, srv = fake
-    engine.reply = "It is 21 degrees."
-    messages = [
-        *USER,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
-    ]
-    reply = client_of(srv).chat.completions.create(
-        model="fake-model", messages=messages, tools=[WEATHER]
-    )
-    assert reply.choices[0].message.content == "It is 21 degrees."
-    prompt = engine.tokenizer.decode(engine.prompts[-1])
-    assert "<tools>" in prompt and '"get_weather"' in prompt
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
-    assert "<tool_response>\n21 C\n</tool_response>" in prompt
 
 
 # ---------------------------------------------------------------- abuse (issue 25 item 1)

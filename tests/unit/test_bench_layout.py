@@ -27,8 +27,13 @@ TOP = {
     "offline",
     "report",
     "runner",
+    "scoring_cost",
     "stats",
     "weights",
+    "whatif",
+    "whatif_grid",
+    "whatif_lru",
+    "whatif_sim",
     "words",
     "workloads",
 }

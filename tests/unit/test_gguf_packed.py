@@ -96,6 +96,22 @@ def test_packed_default_model_holds_no_float32_copy(default_pair: tuple[Any, Any
     assert sum(p.numel() * 4 for p in dense.parameters()) > 5 * packed_bytes
 
 
+@pytest.mark.slow
+def test_bench_bytes_per_token_of_the_packed_model_are_the_gguf_tensor_bytes(
+    default_pair: tuple[Any, Any],
+) -> None:
+    """Counted independently from the file: every GGUF tensor's bytes once (the tied
+    embedding's blocks are the LM head a step reads; the lookup of one row is not counted).
+    """
+    import gguf
+
+    from bench.offline import weight_bytes_per_token
+
+    packed, _ = default_pair
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    assert weight_bytes_per_token(packed) == sum(int(t.n_bytes) for t in reader.tensors)
+
+
 _RSS_SCRIPT = """
 import sys, torch
 from engine.loader import default_gguf_path, load_model

@@ -7,6 +7,7 @@ checked against the invariant ``cached (every tier) + reasons == prompt tokens``
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from pathlib import Path
@@ -214,4 +215,21 @@ def test_random_workloads_always_add_up(tiny_llama_dir: Path, hicache: bool) -> 
         if tokens in sent:
             assert got.never_seen == 0, (step, got)
         sent.append(tokens)
+    engine.close()
+
+
+def test_another_tenants_eviction_is_never_seen_for_this_one(tiny_llama_dir: Path) -> None:
+    """Miss reasons follow the cache_salt partition: a prompt tenant A sent and lost is
+    `evicted` for A, but `never_seen` for B (else B would learn that someone sent it)."""
+    engine = checked_engine(tiny_llama_dir, kv_cache_tokens=256)
+    first = prompt(40, seed=21)
+
+    def salted(salt: str) -> RequestOutput:
+        return engine.generate([first], dataclasses.replace(PARAMS, cache_salt=salt))[0]
+
+    salted("tenant-a")
+    assert engine.flush_cache()
+    assert reasons(salted("tenant-b")) == {"never_seen": 39, "below_page": 1}
+    assert reasons(run(engine, first)) == {"never_seen": 39, "below_page": 1}  # unsalted
+    assert reasons(salted("tenant-a")) == {"evicted": 39, "below_page": 1}
     engine.close()

@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from engine import sampler as sampler_module
+from engine.penalties import Penalties
 from engine.request import Req, SamplingParams
 from engine.sampler import Sampler, filter_logits, make_generator
 
@@ -273,7 +274,7 @@ def test_penalties_match_reference_formula() -> None:
         )
         for prompt, output, rep, pres, freq in cases
     ]
-    ours = Sampler(vocab, CPU).apply_penalties(logits, reqs)
+    ours = Penalties(CPU).apply(logits, reqs)
     for row, (prompt, output, rep, pres, freq) in enumerate(cases):
         ref = reference_penalties(logits[row].tolist(), prompt, output, rep, pres, freq)
         torch.testing.assert_close(ours[row], torch.tensor(ref))

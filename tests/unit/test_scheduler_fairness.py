@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 from engine import Engine, SamplingParams
-from engine.scheduler import GROUP_ADMITS_PER_STEP
+from engine.group_turns import GROUP_ADMITS_PER_STEP
 from tests.unit.cpu_engine import checked_engine
 
 COPIES = 32

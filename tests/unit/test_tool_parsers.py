@@ -7,9 +7,17 @@ import random
 
 import pytest
 
+from server.protocol import DeltaToolCall
 from server.tools.definitions import ToolDef, ToolPlan
-from server.tools.parsers import HermesParser, Llama3JsonParser, ToolCallParser, choose_parser
-from server.tools.response import ToolStream, finish_tools
+from server.tools.parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    ParsedCall,
+    ToolCallParser,
+    choose_parser,
+)
+from server.tools.response import finish_tools
+from server.tools.stream import ToolStream
 
 TOOLS = [
     ToolDef("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}}),
@@ -73,14 +81,32 @@ def test_parse_and_streamed_reassembly_agree(case: int) -> None:
     for _ in range(20):
         stream = ToolStream(AUTO, parser)
         streamed = ""
+        fragments = []
         pos = 0
         while pos < len(text):
             step = rng.randint(1, 6)
-            streamed += stream.feed(text[pos : pos + step])
+            piece, deltas = stream.feed(text[pos : pos + step])
+            streamed += piece
+            fragments += deltas
             pos += step
-        rest, final = stream.finish("stop")
+        rest, final_deltas, final = stream.finish("stop")
         assert (streamed + rest or None) == content
         assert final.calls == outcome.calls
+        assert reassembled(fragments + final_deltas) == outcome.calls
+
+
+def reassembled(fragments: list[list[DeltaToolCall]]) -> list[ParsedCall]:
+    """The calls a client rebuilds from streamed fragments (one id and name per index)."""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for (delta,) in fragments:
+        assert delta.function is not None
+        if delta.id is not None:
+            assert delta.index not in names and delta.function.name is not None
+            names[delta.index] = delta.function.name
+        arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert sorted(names) == list(range(len(names)))
+    return [ParsedCall(names[i], arguments[i]) for i in sorted(names)]
 
 
 def test_auto_choice_follows_the_template() -> None:

@@ -108,6 +108,21 @@ def _save_digests(cache_file: Path, digests: dict[str, str]) -> None:
         logger.info("cannot keep checkpoint digests in %s (%s)", cache_file, exc)
 
 
+def chain_start(namespace: str, salt: str) -> str | None:
+    """The ``prior`` of a prompt's first page under cache_salt digest ``salt``: None
+    (the chain starts from the namespace, as it always did) without a salt, else
+    ``sha256(namespace || "cache-salt" || salt)``.
+
+    NOTE: a salted chain shares no key with another salt's or the unsalted chain: its
+    first key hashes a different prior, and a prior is never a page key (page keys hash
+    32 + 4 * page_size bytes, this 32 + 10 + 32).
+    """
+    if not salt:
+        return None
+    seed = bytes.fromhex(namespace) + b"cache-salt" + bytes.fromhex(salt)
+    return hashlib.sha256(seed).hexdigest()
+
+
 def page_keys(
     namespace: str, token_ids: Sequence[int], page_size: int, prior: str | None = None
 ) -> list[str]:

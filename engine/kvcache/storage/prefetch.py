@@ -31,8 +31,14 @@ class Prefetch:
     """
 
     def __init__(
-        self, start: int, tokens: list[int], keys: list[str], deadline: float | None
+        self,
+        start: int,
+        tokens: list[int],
+        keys: list[str],
+        deadline: float | None,
+        salt: str = "",
     ) -> None:
+        self.salt = salt  # the cache_salt digest the pages were looked up under
         self.start = start  # prompt tokens cached before the stored run (device + host)
         self.tokens = tokens  # the page-aligned tokens after them that were looked up
         self.keys = keys  # their page keys

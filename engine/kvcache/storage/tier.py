@@ -34,7 +34,7 @@ import torch
 
 from engine.kvcache.host_pool import HostKVPool
 from engine.kvcache.storage.base import KVStore
-from engine.kvcache.storage.keys import page_keys
+from engine.kvcache.storage.keys import chain_start, page_keys
 from engine.kvcache.storage.prefetch import Prefetch
 from engine.kvcache.tree_node import TreeNode
 
@@ -113,7 +113,15 @@ class StorageTier:
 
     def node_keys(self, node: TreeNode) -> list[str]:
         assert node.parent is not None
-        return page_keys(self.namespace, node.key, self.page_size, self.last_key(node.parent))
+        prior = self._prior(node.parent, node.salt)
+        return page_keys(self.namespace, node.key, self.page_size, prior)
+
+    def _prior(self, parent: TreeNode, salt: str) -> str | None:
+        """The key before the first page of a child of ``parent`` under ``salt``: the
+        parent's last key, or at the root the start of that salt's chain."""
+        if parent.parent is None:
+            return chain_start(self.namespace, salt)
+        return self.last_key(parent)
 
     def _host_pages(self, host_slots: torch.Tensor) -> list[int]:
         return (host_slots[:: self.page_size] // self.page_size).tolist()
@@ -215,20 +223,21 @@ class StorageTier:
 
     # ------------------------------------------------------------------ reads
     def start_prefetch(
-        self, parent: TreeNode, start: int, tokens: Sequence[int]
+        self, parent: TreeNode, start: int, tokens: Sequence[int], salt: str = ""
     ) -> Prefetch | None:
         """Look up the stored pages that continue ``parent`` (``start`` tokens deep) with
-        ``tokens``; None when the run is too short to be worth it or the store is down.
+        ``tokens`` under cache_salt digest ``salt``; None when the run is too short to be
+        worth it or the store is down.
 
         Never blocks: the lookup runs on the reader thread; ``advance`` moves it on."""
         num_pages = len(tokens) // self.page_size
         if num_pages * self.page_size < self.prefetch_threshold or self.down:
             return None
         run = list(tokens[: num_pages * self.page_size])
-        keys = page_keys(self.namespace, run, self.page_size, self.last_key(parent))
+        keys = page_keys(self.namespace, run, self.page_size, self._prior(parent, salt))
         timeout = self._timeout(len(run))
         deadline = None if timeout is None else time.monotonic() + timeout
-        prefetch = Prefetch(start, run, keys, deadline)
+        prefetch = Prefetch(start, run, keys, deadline, salt)
         prefetch.lookup = self._reader.submit(self.store.exists_prefix, keys)
         return prefetch
 
