@@ -48,6 +48,8 @@ class RequestResult:
     cached_tokens_device: int | None = None  # per-tier split, where the server gives it
     cached_tokens_host: int | None = None
     cached_tokens_storage: int | None = None
+    # Why the uncached prompt tokens missed (reason -> tokens), where the server says.
+    cache_miss_reasons: dict[str, int] | None = None
     worker: str | None = None  # the replica a router sent it to (its response header)
 
 
@@ -290,3 +292,6 @@ def _apply_usage(result: RequestResult, usage: dict[str, Any]) -> None:
         value = details.get(f"cached_tokens_{tier}")
         if value is not None:
             setattr(result, f"cached_tokens_{tier}", int(value))
+    reasons = details.get("cache_miss_reasons")
+    if isinstance(reasons, dict):
+        result.cache_miss_reasons = {str(k): int(v) for k, v in reasons.items()}

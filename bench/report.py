@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import RequestResult
+from bench.outcomes import outcome_rows, plot_outcomes
 from bench.runner import RunOptions, RunState
 from bench.stats import hit_rates, per_round, summarize
 from bench.workloads import Workload, ideal_cached_tokens
@@ -110,6 +111,8 @@ def _request_row(result: Any) -> dict[str, Any]:
         "cached_tokens": result.cached_tokens,
         "cached_tokens_device": result.cached_tokens_device,
         "cached_tokens_host": result.cached_tokens_host,
+        "cached_tokens_storage": result.cached_tokens_storage,
+        "cache_miss_reasons": result.cache_miss_reasons,
         "worker": result.worker,
     }
 
@@ -171,6 +174,7 @@ def _rows(report: dict[str, Any], rounds: int, workers_row: bool) -> list[tuple[
         ),
         ("Ideal hit rate (unbounded cache)", _pct(report["ideal_hit_rate"])),
         ("Achieved / ideal", _ratio(report)),
+        *outcome_rows(report),
     ]
     for name, key, scale, unit in (
         ("TTFT", "ttft", 1e3, "ms"),
@@ -219,13 +223,14 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
 
 
 def write_plot(path: str | os.PathLike[str], reports: Sequence[dict[str, Any]]) -> None:
-    """PNG with the hit rate per round (achieved vs ideal) and the TTFT distribution."""
+    """PNG with the hit rate per round (achieved vs ideal), the TTFT distribution, and a
+    stacked bar per run of its prompt tokens by outcome (hits by tier, misses by reason)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(11, 4.2), dpi=110)
+    figure = Figure(figsize=(16, 4.6), dpi=110)
     FigureCanvasAgg(figure)
-    hit_axes, ttft_axes = figure.subplots(1, 2)
+    hit_axes, ttft_axes, outcome_axes = figure.subplots(1, 3)
     for report in reports:
         rounds = report["rounds"]
         xs = [row["round"] for row in rounds]
@@ -256,10 +261,11 @@ def write_plot(path: str | os.PathLike[str], reports: Sequence[dict[str, Any]]) 
     ttft_axes.set(
         title="TTFT distribution", xlabel="TTFT (ms)", ylabel="fraction of requests", ylim=(0, 1.02)
     )
-    for axes in (hit_axes, ttft_axes):
+    plot_outcomes(outcome_axes, reports)
+    for axes in (hit_axes, ttft_axes, outcome_axes):
         axes.grid(alpha=0.3)
         if axes.get_legend_handles_labels()[0]:
-            axes.legend(fontsize=8)
+            axes.legend(fontsize=7 if axes is outcome_axes else 8)
     figure.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

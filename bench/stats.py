@@ -9,6 +9,16 @@ from typing import Any
 from bench.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
+TIERS = ("device", "host", "storage")
+# The miss reasons hiserve reports (engine/kvcache/miss_reasons.py), in report order.
+MISS_REASONS = (
+    "never_seen",
+    "evicted",
+    "below_page",
+    "not_loaded",
+    "storage_timeout",
+    "not_routed",
+)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -48,6 +58,19 @@ def _tier_total(results: Sequence[RequestResult], tier: str) -> int | None:
     return sum(v for v in values if v is not None)
 
 
+def miss_totals(results: Sequence[RequestResult]) -> dict[str, int] | None:
+    """Uncached prompt tokens by reason over ``results``; None unless every result has
+    them (a server that does not report reasons, or hides them, gives none)."""
+    if not results or any(r.cache_miss_reasons is None for r in results):
+        return None
+    totals = dict.fromkeys(MISS_REASONS, 0)
+    for result in results:
+        assert result.cache_miss_reasons is not None
+        for reason, tokens in result.cache_miss_reasons.items():
+            totals[reason] = totals.get(reason, 0) + tokens
+    return totals
+
+
 def hit_rates(results: Sequence[RequestResult], ideal_per_request: Sequence[int]) -> dict[str, Any]:
     """Achieved and ideal cache-hit rates of completed ``results``.
 
@@ -58,18 +81,21 @@ def hit_rates(results: Sequence[RequestResult], ideal_per_request: Sequence[int]
     prompt_tokens = sum(r.prompt_tokens for r in results)
     cached = sum(r.cached_tokens or 0 for r in results)
     ideal = sum(ideal_per_request)
-    device, host = _tier_total(results, "device"), _tier_total(results, "host")
+    tiers = {tier: _tier_total(results, tier) for tier in TIERS}
     return {
         "cache_hit_rate": _rate(cached, prompt_tokens),
         "ideal_hit_rate": _rate(ideal, sum(r.prompt_len for r in results)),
-        "device_hit_rate": _rate(device, prompt_tokens) if device is not None else None,
-        "host_hit_rate": _rate(host, prompt_tokens) if host is not None else None,
+        **{
+            f"{tier}_hit_rate": _rate(total, prompt_tokens) if total is not None else None
+            for tier, total in tiers.items()
+        },
         "total_prompt_tokens": prompt_tokens,
         "total_cached_tokens": cached,
-        "total_cached_tokens_device": device,
-        "total_cached_tokens_host": host,
+        **{f"total_cached_tokens_{tier}": total for tier, total in tiers.items()},
         "ideal_cached_tokens": ideal,
         "cached_tokens_reported": all(r.cached_tokens is not None for r in results),
+        # prompt tokens no tier served, by reason (None: not reported for every request)
+        "cache_miss_reasons": miss_totals(results),
     }
 
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.kvcache.miss_reasons import MISS_REASONS
 from engine.request import RequestOutput
 
 PREFIX = "hiserve:"
@@ -205,6 +206,15 @@ class EngineCollector(Collector):
         cached.add_metric(["host"], cached_host)
         cached.add_metric(["storage"], cached_storage)
         yield cached
+        missed = CounterMetricFamily(
+            PREFIX + "prompt_tokens_missed_total",
+            "Prompt tokens not served by any cache tier, by why they missed "
+            "(cached + missed == prompt tokens).",
+            labels=["reason"],
+        )
+        for reason in MISS_REASONS:
+            missed.add_metric([reason], get(f"prompt_tokens_missed_{reason}_total"))
+        yield missed
         evicted = CounterMetricFamily(
             PREFIX + "evicted_tokens_total", "KV tokens evicted from a tier.", labels=["tier"]
         )

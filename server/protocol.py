@@ -11,7 +11,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+)
 
 from engine.cache_salt import MAX_CACHE_SALT_CHARS
 
@@ -123,12 +131,34 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---------------------------------------------------------------- responses
 
 
+class CacheMissReasons(BaseModel):
+    """Uncached prompt tokens by why they missed (engine/kvcache/miss_reasons.py):
+    ``cached_tokens`` plus all of these is ``prompt_tokens``."""
+
+    never_seen: int = 0
+    evicted: int = 0
+    below_page: int = 0
+    not_loaded: int = 0
+    storage_timeout: int = 0
+    not_routed: int = 0  # only a router could know; always 0 from one server
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     # Extras that OpenAI clients ignore: where the cached tokens came from.
     cached_tokens_device: int = 0
     cached_tokens_host: int = 0
     cached_tokens_storage: int = 0  # read from the L3 store, then loaded back
+    # Why the rest missed; None (left out of the JSON) where --cached-tokens-scope hides
+    # whose prompts are cached.
+    cache_miss_reasons: CacheMissReasons | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_hidden(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("cache_miss_reasons") is None:
+            data.pop("cache_miss_reasons", None)
+        return data
 
 
 class UsageInfo(BaseModel):

@@ -12,11 +12,12 @@ from typing import TypeVar
 from fastapi import Request
 
 from engine.grammar_spec import GrammarSpec
+from engine.kvcache.miss_reasons import MissReasons
 from engine.request import RequestOutput, SamplingParams
 from server.engine_client import EngineClient, translate_engine_error
 from server.errors import APIError, error_json, internal_error
 from server.metrics import RequestTimer, ServerMetrics
-from server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
+from server.protocol import CacheMissReasons, PromptTokensDetails, UsageInfo, _SamplingRequest
 from server.sse import sse_event
 
 logger = logging.getLogger("hiserve.server")
@@ -243,12 +244,17 @@ def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
     prompt_tokens = sum(len(p) for p in plan.prompts)
     completion_tokens = sum(len(out.token_ids) for out in finals.values())
     device = host = storage = 0
+    missed = MissReasons()
     for p in range(len(plan.prompts)):
         first = finals.get(p * plan.n)
         if first is not None:
             limit = None if plan.own_tokens is None else plan.own_tokens[p]
             d, h, s = reported_cache(first, limit)
             device, host, storage = device + d, host + h, storage + s
+            missed += first.cache_miss_reasons
+    # NOTE: evicted vs never_seen says whether anyone sent a prefix before: where the
+    # scope limits what a caller learns about others' prompts, the reasons are left out.
+    reasons = CacheMissReasons(**missed.as_dict()) if plan.own_tokens is None else None
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
@@ -258,6 +264,7 @@ def make_usage(plan: Plan, finals: dict[int, RequestOutput]) -> UsageInfo:
             cached_tokens_device=device,
             cached_tokens_host=host,
             cached_tokens_storage=storage,
+            cache_miss_reasons=reasons,
         ),
     )
 

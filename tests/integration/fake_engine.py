@@ -11,6 +11,7 @@ from typing import Any
 from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.kvcache.miss_reasons import MissReasons
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 
 
@@ -86,6 +87,8 @@ class FakeEngine:
         self.calls.append((request_id, params))
         self.prompts.append(list(prompt_ids))
         cached = len(prompt_ids) - 1 if tuple(prompt_ids) in self.seen else 0
+        # A repeat misses its last token only; a new prompt was never seen but that one.
+        missed = MissReasons(never_seen=len(prompt_ids) - 1 - cached, below_page=1)
         self.seen.add(tuple(prompt_ids))
         self.running[request_id] = len(prompt_ids)
         done = False
@@ -128,6 +131,7 @@ class FakeEngine:
                     cached_tokens=cached,
                     cached_tokens_device=cached,
                     cached_tokens_host=0,
+                    cache_miss_reasons=missed,
                     logprobs=list(lps) if want else None,
                     new_logprobs=[lp] if want else None,
                 )
@@ -146,6 +150,8 @@ class FakeEngine:
             "waiting": 0,
             "prompt_tokens_total": 10,
             "cached_tokens_device_total": 4,
+            "prompt_tokens_missed_never_seen_total": 5,
+            "prompt_tokens_missed_below_page_total": 1,
         }
 
     def health(self) -> dict[str, Any]:

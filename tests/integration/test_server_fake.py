@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from engine.config import EngineConfig
+from engine.kvcache.miss_reasons import MISS_REASONS
 from server.__main__ import uvicorn_config
 from server.app import create_app
 from server.args import ServerArgs
@@ -238,6 +239,11 @@ def test_metrics_names(fake: Fake, tools: SimpleNamespace) -> None:
     assert tools.metric_value(text, "hiserve:kv_total_tokens", 'tier="device"') == 4096
     assert tools.metric_value(text, "hiserve:prompt_tokens_total") == 10
     assert tools.metric_value(text, "hiserve:cached_prompt_tokens_total", 'source="device"') == 4
+    missed = {
+        reason: tools.metric_value(text, "hiserve:prompt_tokens_missed_total", f'reason="{reason}"')
+        for reason in MISS_REASONS
+    }
+    assert missed == {**dict.fromkeys(MISS_REASONS, 0), "never_seen": 5, "below_page": 1}
     assert tools.metric_value(text, "hiserve:prefix_cache_hit_rate") == pytest.approx(0.4)
     assert tools.metric_value(text, "hiserve:time_to_first_token_seconds_count") == 1
     assert tools.metric_value(text, "hiserve:inter_token_latency_seconds_count") == 1

@@ -308,6 +308,18 @@ def test_repeated_prompt_is_cached(client: openai.OpenAI, model_name: str) -> No
     extra = details.model_extra or {}
     assert extra["cached_tokens_device"] == details.cached_tokens  # HiCache is off
     assert extra["cached_tokens_host"] == 0
+    # Why the rest missed: the first time never seen, the second only the last token.
+    assert first.usage.prompt_tokens_details is not None
+    first_reasons = (first.usage.prompt_tokens_details.model_extra or {})["cache_miss_reasons"]
+    assert (
+        first.usage.prompt_tokens_details.cached_tokens + sum(first_reasons.values())
+        == first.usage.prompt_tokens
+    )
+    assert first_reasons["below_page"] == 1 and first_reasons["evicted"] == 0
+    assert extra["cache_miss_reasons"] == {
+        "never_seen": 0, "evicted": 0, "below_page": 1, "not_loaded": 0,
+        "storage_timeout": 0, "not_routed": 0,
+    }  # fmt: skip
     chat = partial(
         client.chat.completions.create,
         model=model_name,
@@ -344,6 +356,18 @@ def test_metrics_exposition(
     )
     assert value(after, "hiserve:prompt_tokens_total") > value(
         before, "hiserve:prompt_tokens_total"
+    )
+
+    def delta(name: str, label: str) -> float:
+        return value(after, name, label) - value(before, name, label)
+
+    # Every prompt token is either cached (some tier) or missed for one reason.
+    sources = ("device", "host", "storage")
+    reasons = ("never_seen", "evicted", "below_page", "not_loaded", "storage_timeout")
+    assert sum(delta("hiserve:cached_prompt_tokens_total", f'source="{s}"') for s in sources) + sum(
+        delta("hiserve:prompt_tokens_missed_total", f'reason="{r}"') for r in reasons
+    ) == (
+        value(after, "hiserve:prompt_tokens_total") - value(before, "hiserve:prompt_tokens_total")
     )
     for hist in (
         "time_to_first_token_seconds",

@@ -120,9 +120,11 @@ async def _stream(
         if state.mode == "drop_odd" and entry["arrival"] % 2 == 1:
             raise RuntimeError("fake server drops this connection")
     device = min(cached, 5)
+    missed = {"never_seen": len(prompt) - 1 - cached, "below_page": 1}  # as hiserve says
     usage = {"prompt_tokens": len(prompt), "completion_tokens": int(entry["body"]["max_tokens"]),
              "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_device": device,
-                                       "cached_tokens_host": cached - device}}  # fmt: skip
+                                       "cached_tokens_host": cached - device,
+                                       "cache_miss_reasons": missed}}  # fmt: skip
     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
     yield "data: [DONE]\n\n"
     entry["end"] = time.monotonic()
@@ -179,6 +181,9 @@ def test_run_report_matches_fake_server_log(fake: tuple[str, FakeState], tmp_pat
     assert report["total_cached_tokens"] == cached
     assert report["cache_hit_rate"] == pytest.approx(cached / prompt_tokens)
     assert report["total_cached_tokens_device"] == sum(min(e["cached"], 5) for e in state.log)
+    assert report["cache_miss_reasons"]["never_seen"] == prompt_tokens - cached - 9
+    assert report["cache_miss_reasons"]["below_page"] == 9  # one per request
+    assert "miss: never seen" in proc.stdout
     assert report["ideal_hit_rate"] == pytest.approx(generate(SMALL_CONFIG).ideal_hit_rate())
     assert report["total_output_tokens"] == 9 * 4
     assert report["output_throughput"] == pytest.approx(36 / report["duration"])

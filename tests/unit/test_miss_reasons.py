@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -232,4 +233,22 @@ def test_another_tenants_eviction_is_never_seen_for_this_one(tiny_llama_dir: Pat
     assert reasons(salted("tenant-b")) == {"never_seen": 39, "below_page": 1}
     assert reasons(run(engine, first)) == {"never_seen": 39, "below_page": 1}  # unsalted
     assert reasons(salted("tenant-a")) == {"evicted": 39, "below_page": 1}
+    engine.close()
+
+
+def test_another_salts_eviction_is_never_seen(tiny_llama_dir: Path) -> None:
+    """Tenant A's flushed prompt: evicted for A, never seen for B (an ``evicted`` would
+    tell B that someone sent it)."""
+    engine = checked_engine(tiny_llama_dir, kv_cache_tokens=256)
+    tokens = prompt(40, seed=14)
+    salted = {name: replace(PARAMS, cache_salt=name) for name in ("tenant-a", "tenant-b")}
+    engine.generate([tokens], salted["tenant-a"])
+    assert engine.flush_cache()
+    b = engine.generate([tokens], salted["tenant-b"])[0]
+    assert reasons(b) == {"never_seen": 39, "below_page": 1}
+    unsalted = run(engine, tokens)
+    assert reasons(unsalted) == {"never_seen": 39, "below_page": 1}
+    assert engine.flush_cache()
+    a = engine.generate([tokens], salted["tenant-a"])[0]
+    assert reasons(a) == {"evicted": 39, "below_page": 1}
     engine.close()
