@@ -8,6 +8,7 @@ real server, whose only reference needed is "same prompt, different salt: 0 cach
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -107,10 +108,47 @@ def test_require_cache_salt(serve: Any) -> None:
     assert [params.cache_salt for _, params in engine.calls] == ["t"]
 
 
+def test_cache_salt_from_key_partitions_by_bearer_token(serve: Any) -> None:
+    srv, engine = serve(cache_salt_from_key=True)
+
+    def cached(token: str | None, salt: str | None) -> int:
+        body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        answer = httpx.post(srv.base_url + "/v1/completions", json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        return int(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    hit = len(PROMPT) - 1
+    assert cached("key-a", "shared") == 0
+    assert cached("key-b", "shared") == 0  # same salt string, another key: its own cache
+    assert cached("key-a", "shared") == hit
+    assert cached("key-a", None) == 0  # the key alone is a partition of its own
+    assert cached(None, "shared") == 0  # no token: the body salt as sent
+    assert cached(None, "shared") == hit
+
+    def derived(token: str, salt: str) -> str:
+        seed = b"hiserve-key-salt\0" + token.encode()
+        return "key:" + hashlib.sha256(seed + b"\0" + salt.encode()).hexdigest()
+
+    salts = [params.cache_salt for _, params in engine.calls]
+    assert salts == [
+        derived("key-a", "shared"),
+        derived("key-b", "shared"),
+        derived("key-a", "shared"),
+        derived("key-a", ""),
+        "shared",
+        "shared",
+    ]
+
+
 def test_the_flag_is_parsed() -> None:
     assert parse_args([], {}).require_cache_salt is False
     assert parse_args(["--require-cache-salt"], {}).require_cache_salt is True
     assert parse_args([], {"HISERVE_REQUIRE_CACHE_SALT": "1"}).require_cache_salt is True
+    assert parse_args([], {}).cache_salt_from_key is False
+    assert parse_args(["--cache-salt-from-key"], {}).cache_salt_from_key is True
 
 
 def test_real_server_partitions_its_cache_by_salt(
