@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from engine.cache_salt import SALT_BUCKETS, salt_bucket
 from engine.kv_setup import KVSetup
 from engine.kvcache.miss_reasons import MISS_REASONS
 from engine.request import Req
@@ -24,6 +25,11 @@ ENGINE_COUNTERS = (
 )
 
 
+def salt_counter(bucket: int, what: str) -> str:
+    """The stats() key of a per-salt-bucket counter: ``what`` is "prompt" or "cached"."""
+    return f"salt_bucket_{bucket}_{what}_tokens_total"
+
+
 class EngineStats:
     """Counters the engine bumps as requests run, and the views of them it reports."""
 
@@ -31,6 +37,11 @@ class EngineStats:
         self.scheduler = scheduler
         self.kv = kv
         self.counters: dict[str, int] = dict.fromkeys(ENGINE_COUNTERS, 0)
+        # Salted requests only, by SALT_BUCKETS buckets of the salt's digest: a fixed
+        # number of series however many tenants there are (never the salt itself).
+        for bucket in range(SALT_BUCKETS):
+            self.counters[salt_counter(bucket, "prompt")] = 0
+            self.counters[salt_counter(bucket, "cached")] = 0
 
     def count_prompt(self, req: Req) -> None:
         """Once per request, at its first output token: its prompt, by where it came from."""
@@ -40,6 +51,11 @@ class EngineStats:
         self.counters["cached_tokens_storage_total"] += req.cached_storage
         for reason, tokens in req.miss_reasons.as_dict().items():
             self.counters[f"prompt_tokens_missed_{reason}_total"] += tokens
+        if req.cache_salt:
+            bucket = salt_bucket(req.cache_salt)
+            self.counters[salt_counter(bucket, "prompt")] += len(req.prompt_ids)
+            cached = req.cached_device + req.cached_host + req.cached_storage
+            self.counters[salt_counter(bucket, "cached")] += cached
 
     def snapshot(self) -> dict[str, float]:
         """KV use per tier, queue lengths and every counter, as ``Engine.stats()`` returns."""

@@ -115,6 +115,7 @@ def create_app(
                 trust_special_tokens=args.trust_message_special_tokens,
                 cache_report=CacheReport(args.cached_tokens_scope),
                 require_cache_salt=args.require_cache_salt,
+                cache_salt_from_key=args.cache_salt_from_key,
             )
             print(summary_line(args, engine.health()), flush=True)
             watch = getattr(engine, "watch_fatal", None)

@@ -57,6 +57,7 @@ class ServerArgs:
     notes: tuple[str, ...] = ()
     cached_tokens_scope: str = "all"  # what cached_tokens reports (server/cache_report.py)
     require_cache_salt: bool = False  # requests without a cache_salt get a 400
+    cache_salt_from_key: bool = False  # the bearer token salts the cache too
 
     def summary(self) -> dict[str, Any]:
         """Flat view for the startup line; the API key is never shown."""
@@ -85,6 +86,7 @@ class ServerArgs:
             tool_call_parser=self.tool_call_parser,
             cached_tokens_scope=self.cached_tokens_scope,
             require_cache_salt=self.require_cache_salt,
+            cache_salt_from_key=self.cache_salt_from_key,
         )
         return out
 
@@ -271,6 +273,7 @@ def parse_args(
         notes=tuple(notes),
         cached_tokens_scope=values["cached_tokens_scope"],
         require_cache_salt=bool(values["require_cache_salt"]),
+        cache_salt_from_key=bool(values["cache_salt_from_key"]),
     )
 
 

@@ -80,9 +80,11 @@ class EngineClient:
         trust_special_tokens: bool = False,
         cache_report: CacheReport | None = None,
         require_cache_salt: bool = False,
+        cache_salt_from_key: bool = False,
     ) -> None:
         self.engine = engine
         self.require_cache_salt = require_cache_salt
+        self.cache_salt_from_key = cache_salt_from_key
         self.cache_report = cache_report or CacheReport("all")
         self.tokenizer = engine.tokenizer
         self.max_choices = max_choices

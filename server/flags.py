@@ -281,6 +281,14 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         kind="bool",
         default=False,
     ),
+    FlagSpec(
+        "cache-salt-from-key",
+        "partition the cache by the caller's bearer token as well as its cache_salt, so "
+        "two keys never share cached KV (behind a gateway with per-tenant keys that "
+        "forwards them, e.g. smg --tenant-api-key; see docs/cache-security.md)",
+        kind="bool",
+        default=False,
+    ),
     FlagSpec("log-level", "logging level", kind="str", default="info", choices=LOG_LEVELS),
     FlagSpec(
         "max-body-bytes",

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.cache_salt import SALT_BUCKETS
+from engine.engine_stats import salt_counter
 from engine.kvcache.miss_reasons import MISS_REASONS
 from engine.request import RequestOutput
 
@@ -215,6 +217,7 @@ class EngineCollector(Collector):
         for reason in MISS_REASONS:
             missed.add_metric([reason], get(f"prompt_tokens_missed_{reason}_total"))
         yield missed
+        yield from _salt_bucket_counters(get)
         evicted = CounterMetricFamily(
             PREFIX + "evicted_tokens_total", "KV tokens evicted from a tier.", labels=["tier"]
         )
@@ -236,6 +239,21 @@ class EngineCollector(Collector):
             1.0,
         )
         yield info
+
+
+def _salt_bucket_counters(get: Callable[[str], float]) -> Iterator[Metric]:
+    """Prompt and cached tokens of salted requests by ``salt_bucket`` (the salt's digest
+    mod SALT_BUCKETS): per-tenant hit rates with a fixed label set, never the salt."""
+    for what, doc in (
+        ("prompt", "Prompt tokens of requests with a cache_salt, by salt bucket."),
+        ("cached", "Cached prompt tokens (every tier) of requests with a cache_salt, by bucket."),
+    ):
+        family = CounterMetricFamily(
+            PREFIX + f"salted_{what}_tokens_total", doc, labels=["salt_bucket"]
+        )
+        for bucket in range(SALT_BUCKETS):
+            family.add_metric([str(bucket)], get(salt_counter(bucket, what)))
+        yield family
 
 
 class ServerMetrics:

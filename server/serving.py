@@ -19,6 +19,7 @@ from server.errors import APIError, error_json, internal_error
 from server.metrics import RequestTimer, ServerMetrics
 from server.protocol import CacheMissReasons, PromptTokensDetails, UsageInfo, _SamplingRequest
 from server.sse import sse_event
+from server.tenant_salt import engine_salt
 
 logger = logging.getLogger("hiserve.server")
 T = TypeVar("T")
@@ -191,7 +192,7 @@ def make_plan(
         )
         base.grammar = grammar
         base.group = base_id  # every copy shares ``base``: the scheduler takes turns
-        base.cache_salt = req.cache_salt
+        base.cache_salt = engine_salt(req.cache_salt, authorization, client.cache_salt_from_key)
         base.prompt_logprobs = prompt_logprobs
         client.validate(prompt, base, prompt_param)
         if logprobs is not None:

@@ -54,7 +54,7 @@ class FakeEngine:
         self.running: dict[str, int] = {}
         self.aborted: list[str] = []
         self.calls: list[tuple[str, SamplingParams]] = []
-        self.seen: set[tuple[int, ...]] = set()
+        self.seen: set[tuple[str | int | None, ...]] = set()
         self.shutdown_called = False
         # A canned reply (one token per byte) instead of "abc...": what a model would write.
         self.reply: str | None = None
@@ -86,10 +86,12 @@ class FakeEngine:
             raise EngineOverloadedError("server overloaded: 9 requests waiting; retry later")
         self.calls.append((request_id, params))
         self.prompts.append(list(prompt_ids))
-        cached = len(prompt_ids) - 1 if tuple(prompt_ids) in self.seen else 0
+        # A hit on a prompt seen before under the same cache_salt, as the real caches do.
+        seen_key = (params.cache_salt, *prompt_ids)
+        cached = len(prompt_ids) - 1 if seen_key in self.seen else 0
         # A repeat misses its last token only; a new prompt was never seen but that one.
         missed = MissReasons(never_seen=len(prompt_ids) - 1 - cached, below_page=1)
-        self.seen.add(tuple(prompt_ids))
+        self.seen.add(seen_key)
         self.running[request_id] = len(prompt_ids)
         done = False
         ids: list[int] = []

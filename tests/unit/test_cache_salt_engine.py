@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.cache_salt import SALT_BUCKETS, salt_bucket, salt_digest
+from engine.engine_stats import salt_counter
 from tests.unit.cpu_engine import checked_engine
 
 PAGE = 4
@@ -50,8 +52,6 @@ def tiers(out) -> tuple[int, int, int]:
 
 
 def device_resident(engine: Engine, prompt: list[int], salt: str) -> int:
-    from engine.cache_salt import salt_digest
-
     match = engine.kv.manager.tree.match_prefix(prompt, touch=False, salt=salt_digest(salt))
     return match.device_len
 
@@ -83,6 +83,12 @@ def test_other_salts_miss_on_every_tier_and_after_a_restart(
     assert device_resident(first, prompt, "alice") == 0
     out = run(first, prompt, "alice")
     assert tiers(out) == (0, full, 0) and out.token_ids == expected
+    # Salted requests by salt bucket: 11 of 41 prompt tokens; alice's two hits cached.
+    stats = first.stats()
+    prompt_by_bucket = [stats[salt_counter(b, "prompt")] for b in range(SALT_BUCKETS)]
+    cached_by_bucket = [stats[salt_counter(b, "cached")] for b in range(SALT_BUCKETS)]
+    assert sum(prompt_by_bucket) == 11 * 41
+    assert sum(cached_by_bucket) == cached_by_bucket[salt_bucket(salt_digest("alice"))] == 2 * full
     first.close()  # drains the writer: every page is in the store
 
     again = make_engine(tiny_llama_dir, tmp_path)
