@@ -33,6 +33,7 @@ TOP = {
     "whatif_grid",
     "whatif_lru",
     "whatif_sim",
+    "whatif_speed",
     "words",
     "workloads",
 }
