@@ -259,7 +259,7 @@ class Engine:
         prompt_len = len(req.prompt_ids)
         kv_ids = req.all_ids[: max(req.kv_len, prompt_len)]
         hit = {"device": req.cached_device, "host": req.cached_host, "storage": req.cached_storage}
-        salt: str | None = getattr(req, "cache_salt", None)  # set where cache_salt is on
+        salt: str | None = getattr(req.params, "cache_salt", None)  # the raw salt, if any
         self.tracer.record(kv_ids, prompt_len, len(req.output_ids), req.arrival_time, salt, hit)
 
     # ------------------------------------------------------------------ offline
