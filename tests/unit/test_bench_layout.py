@@ -34,6 +34,7 @@ TOP = {
     "whatif_grid",
     "whatif_lru",
     "whatif_sim",
+    "whatif_speed",
     "words",
     "workloads",
 }
