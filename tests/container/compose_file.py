@@ -1,5 +1,5 @@
 """docker-compose.yml as the container tests read it: compose's variable interpolation,
-and the fleet router's command line as its shell builds it.
+and the fleet router's settings as its launcher builds them.
 
 Values are resolved to their ``${VAR:-default}`` defaults, i.e. what `docker compose up`
 uses without a .env file.
@@ -7,7 +7,6 @@ uses without a .env file.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -60,20 +59,26 @@ def compose_vars(raw: Any) -> set[str]:
     return set()
 
 
-def router_argv(svc: dict[str, Any], api_key: str, admin_key: str = "") -> list[str]:
-    """The router's command line as its shell builds it (the real ``/bin/sh``, with
-    ``smg`` swapped for ``printf``), with HISERVE_API_KEY set to ``api_key`` and
-    HISERVE_ADMIN_KEY to ``admin_key`` (compose defaults for everything else)."""
-    assert svc["entrypoint"] == ["/bin/sh", "-c"]
-    (script,) = svc["command"]
-    assert "exec smg launch " in script
-    script = script.replace("exec smg launch ", "exec printf '%s\\0' ", 1)
+def router_args(svc: dict[str, Any], api_key: str, admin_key: str = "") -> Any:
+    """smg's parsed settings of a router service, as the image's launcher builds them
+    (docker/router_launch.py, with smg's own parser) from the service's command and
+    environment, HISERVE_API_KEY set to ``api_key`` and HISERVE_ADMIN_KEY to
+    ``admin_key`` (compose defaults for everything else)."""
+    assert "entrypoint" not in svc, "the image's launcher is the entrypoint"
     env = {k: str(v) for k, v in svc["environment"].items()}
-    env.update(ROUTER_API_KEY=api_key, ROUTER_ADMIN_KEY=admin_key, PATH=os.environ["PATH"])
-    done = subprocess.run(
-        ["/bin/sh", "-c", script], env=env, capture_output=True, timeout=30, check=True
-    )
-    return done.stdout.decode().split("\0")[:-1]
+    env.update(ROUTER_API_KEY=api_key, ROUTER_ADMIN_KEY=admin_key)
+    parsed, _ = router_launch().parse([str(a) for a in svc["command"]], env)
+    return parsed
+
+
+def router_launch() -> Any:
+    """docker/router_launch.py as a module."""
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        import router_launch
+    finally:
+        sys.path.pop(0)
+    return router_launch
 
 
 def parse_router(argv: list[str]) -> Any:

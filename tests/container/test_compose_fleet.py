@@ -21,8 +21,8 @@ from tests.container.compose_file import (
     VAR_RE,
     binary_flags,
     load_compose,
-    parse_router,
-    router_argv,
+    router_args,
+    router_launch,
 )
 
 
@@ -89,20 +89,19 @@ def test_musa_fleet_puts_each_replica_on_its_own_gpu(services: dict[str, Any]) -
 def test_router_command_is_valid_for_smg(services: dict[str, Any], profile: str) -> None:
     router, replicas = FLEETS[profile]
     svc = services[router]
-    args = parse_router(router_argv(svc, api_key="sk-test"))
+    args = router_args(svc, api_key="sk-test")
     ports = {name: services[name]["environment"]["HISERVE_PORT"] for name in replicas}
     assert args.worker_urls == [f"http://{name}:{port}" for name, port in ports.items()]
     assert args.policy == "cache_aware"
     assert (args.host, str(args.port)) == ("0.0.0.0", ROUTER_PORT)
     assert args.api_key == "sk-test"  # the same key the replicas get
     assert services[replicas[0]]["environment"]["HISERVE_API_KEY"] == ""  # from the same var
-    assert args.disable_retries is True
     assert 0 < args.cache_threshold <= 1 and args.balance_rel_threshold >= 1
     # smg refuses an empty key: without HISERVE_API_KEY the flag is left out entirely
-    assert parse_router(router_argv(svc, api_key="")).api_key is None
+    assert router_args(svc, api_key="").api_key is None
     # With an admin key (issue 25 item 4): the replicas and the control plane get it, the
     # clients' key opens only the serving routes.
-    split = parse_router(router_argv(svc, api_key="sk-client", admin_key="sk admin"))
+    split = router_args(svc, api_key="sk-client", admin_key="sk admin")
     assert split.api_key == "sk admin"
     assert [tuple(k) for k in split.tenant_api_keys] == [("clients", "sk-client")]
     assert [k[2:] for k in map(tuple, split.control_plane_api_keys)] == [("sk admin", "admin")]
@@ -111,11 +110,51 @@ def test_router_command_is_valid_for_smg(services: dict[str, Any], profile: str)
     assert f"127.0.0.1:{ROUTER_PORT}/readiness" in check
 
 
+@pytest.mark.parametrize("profile", FLEETS)
+def test_router_keys_stay_off_its_command_line(raw: dict[str, Any], profile: str) -> None:
+    """Issue 25 item 10: the keys reach smg through the launcher, never through argv."""
+    router, _ = FLEETS[profile]
+    svc = raw["services"][router]
+    written = " ".join(str(a) for a in svc["command"])
+    assert "KEY" not in written and "--api-key" not in written
+    assert set(svc["environment"]) >= {"ROUTER_API_KEY", "ROUTER_ADMIN_KEY"}
+
+
 def test_router_command_check_catches_a_misspelled_flag(services: dict[str, Any]) -> None:
-    argv = router_argv(services["fleet-router"], api_key="k")
-    broken = ["--polcy" if a == "--policy" else a for a in argv]
+    svc = dict(services["fleet-router"])
+    svc["command"] = ["--polcy" if a == "--policy" else a for a in svc["command"]]
     with pytest.raises(SystemExit):
-        parse_router(broken)
+        router_args(svc, api_key="k")
+    # a key flag on the command line is refused by the launcher itself
+    svc["command"] = [*services["fleet-router"]["command"], "--api-key", "leaked"]
+    with pytest.raises(router_launch().LaunchError):
+        router_args(svc, api_key="k")
+
+
+@pytest.mark.parametrize("profile", FLEETS)
+def test_router_survives_a_replica_death(services: dict[str, Any], profile: str) -> None:
+    """The settings docs/fleet.md measured: no request sent after a replica's death
+    fails, and a restarted replica is tried again within seconds."""
+    args = router_args(services[FLEETS[profile][0]], api_key="k")
+    assert args.disable_retries is False
+    # A request whose replica refuses the connection is retried; under affinity the
+    # same dead replica may be chosen again until its breaker opens, so there must be
+    # a try left after the breaker's threshold.
+    assert args.retry_max_retries > args.cb_failure_threshold >= 1
+    backoffs = [
+        min(
+            args.retry_initial_backoff_ms * args.retry_backoff_multiplier**i,
+            args.retry_max_backoff_ms,
+        )
+        for i in range(args.retry_max_retries - 1)
+    ]
+    assert sum(backoffs) * (1 + args.retry_jitter_factor) < 1000, backoffs  # ms
+    assert args.cb_timeout_duration_secs <= 10  # a restarted replica is tried again soon
+    assert args.cb_success_threshold == 1
+    # without traffic, the health check alone takes a dead replica out within ~5 s
+    assert args.health_check_interval_secs * args.health_failure_threshold <= 5
+    assert args.health_check_timeout_secs <= args.health_check_interval_secs * 2
+    assert args.health_success_threshold == 1
 
 
 def test_router_image_pins_the_tested_smg(services: dict[str, Any]) -> None:

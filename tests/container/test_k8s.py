@@ -180,19 +180,37 @@ def test_replicas(rendered: tuple[str, dict[tuple[str, str], Any]]) -> None:
     assert service["selector"].items() <= labels.items()
 
 
-def router_args(docs: dict[tuple[str, str], Any]) -> Any:
-    """The router's arguments with $(VAR) expanded as the kubelet does, parsed by smg."""
-    from smg.launch_router import parse_router_args
+def router_args(docs: dict[tuple[str, str], Any], tmp_path: Path) -> Any:
+    """The router's settings as the image's launcher builds them: $(VAR) expanded as the
+    kubelet does, the secret's files written under ``tmp_path``, smg's own parser."""
+    from tests.container.compose_file import router_launch
 
-    router = container(docs[("Deployment", "hiserve-router")], "router")
-    values = {"POD_NAMESPACE": "hiserve", "ROUTER_API_KEY": "sk-test", "ROUTER_ADMIN_KEY": "sk-adm"}
+    deployment = docs[("Deployment", "hiserve-router")]
+    router = container(deployment, "router")
+    values = {"POD_NAMESPACE": "hiserve"}
     argv = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in router["args"]]
-    return parse_router_args(argv)
+    mount = next(m for m in router["volumeMounts"] if m["name"] == "keys")
+    volume = next(
+        v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "keys"
+    )
+    assert volume["secret"]["secretName"] == SECRET[0] and mount["readOnly"] is True
+    written = {"api-key": "sk-test", "admin-key": "sk-adm"}  # what the secret holds
+    for item in volume["secret"]["items"]:
+        (tmp_path / item["path"]).write_text(written[item["key"]] + "\n")
+    env = {}
+    for var in router["env"]:
+        if "value" in var:
+            assert var["value"].startswith(mount["mountPath"] + "/"), var
+            env[var["name"]] = str(tmp_path / var["value"][len(mount["mountPath"]) + 1 :])
+    parsed, _ = router_launch().parse(argv, env)
+    return parsed
 
 
-def test_router_discovers_the_replicas(rendered: tuple[str, dict[tuple[str, str], Any]]) -> None:
+def test_router_discovers_the_replicas(
+    rendered: tuple[str, dict[tuple[str, str], Any]], tmp_path: Path
+) -> None:
     _, docs = rendered
-    args = router_args(docs)
+    args = router_args(docs, tmp_path)
     replica_pod = docs[("Deployment", "hiserve")]["spec"]["template"]["metadata"]["labels"]
     router_deployment = docs[("Deployment", "hiserve-router")]
     router_pod = router_deployment["spec"]["template"]["metadata"]["labels"]
@@ -203,18 +221,15 @@ def test_router_discovers_the_replicas(rendered: tuple[str, dict[tuple[str, str]
     server = container(docs[("Deployment", "hiserve")], "hiserve")
     assert args.service_discovery_port == server["ports"][0]["containerPort"]
     assert args.service_discovery_namespace == "hiserve"
-    assert args.policy == "cache_aware" and args.disable_retries is True
+    assert args.policy == "cache_aware"
     # the replicas' admin key; clients' key only on the serving routes (issue 25 item 4)
     assert args.api_key == "sk-adm"
     assert [tuple(k) for k in args.tenant_api_keys] == [("clients", "sk-test")]
     assert [tuple(k)[2:] for k in args.control_plane_api_keys] == [("sk-adm", "admin")]
     router = container(router_deployment, "router")
-    assert env_of(router)["ROUTER_API_KEY"] == {
-        "secretKeyRef": {"name": SECRET[0], "key": SECRET[1]}
-    }
-    assert env_of(router)["ROUTER_ADMIN_KEY"] == {
-        "secretKeyRef": {"name": SECRET[0], "key": "admin-key"}
-    }
+    # issue 25 item 10: no key on the command line nor in the environment, only files
+    assert not any("KEY" in a or a in ("--api-key", "--tenant-api-key") for a in router["args"])
+    assert not any("valueFrom" in v and "secretKeyRef" in v["valueFrom"] for v in router["env"])
     assert env_of(router)["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     http = next(p for p in router["ports"] if p["name"] == "http")["containerPort"]
     assert args.port == http and args.host == "0.0.0.0"
@@ -243,22 +258,32 @@ def test_router_may_only_read_pods(rendered: tuple[str, dict[tuple[str, str], An
 
 
 def test_kubernetes_and_compose_routers_are_tuned_alike(
-    rendered: tuple[str, dict[tuple[str, str], Any]],
+    rendered: tuple[str, dict[tuple[str, str], Any]], tmp_path: Path
 ) -> None:
-    """One set of tuned routing values, shipped as the default of both deployments."""
-    from tests.container.compose_file import parse_router, resolve, router_argv
+    """One set of tuned routing and fault settings, shipped as the default of both."""
+    from tests.container.compose_file import resolve
+    from tests.container.compose_file import router_args as compose_router_args
 
     _, docs = rendered
     compose = resolve(yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"])
-    ours, theirs = router_args(docs), parse_router(router_argv(compose["fleet-router"], "k"))
+    ours, theirs = router_args(docs, tmp_path), compose_router_args(compose["fleet-router"], "k")
     for name in (
         "policy",
         "cache_threshold",
         "balance_abs_threshold",
         "balance_rel_threshold",
         "disable_retries",
+        "retry_max_retries",
+        "retry_initial_backoff_ms",
+        "retry_max_backoff_ms",
+        "cb_failure_threshold",
+        "cb_success_threshold",
+        "cb_timeout_duration_secs",
+        "cb_window_duration_secs",
         "health_check_interval_secs",
+        "health_check_timeout_secs",
         "health_failure_threshold",
+        "health_success_threshold",
         "load_monitor_interval",
     ):
         assert getattr(ours, name) == getattr(theirs, name), name
