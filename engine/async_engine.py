@@ -263,24 +263,30 @@ class AsyncEngine:
         self._wake.set()
 
     # ------------------------------------------------------------------ public API
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's checks, for a caller that wants a bad field refused before it starts
-        anything (the server's plan); ``generate`` leaves them to ``add_request``."""
-        self.engine.validate(prompt_ids, params)
-
-    async def generate(
+    def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Yield snapshots of ``request_id`` until it finishes; closing the iterator aborts."""
+        """Snapshots of ``request_id`` until it finishes; closing the iterator aborts.
+
+        NOTE: the request is validated here, once, on the caller's thread: a bad field
+        raises InvalidRequestError (naming it) at this call, before anything is queued,
+        and the loop thread enqueues the request without checking it again. A full queue
+        is refused here too, at once, from the last step's count (the loop thread may be
+        inside a long step); the scheduler's own bound stays the exact one.
+        """
         if not self._accepting:
             raise EngineOverloadedError("server is shutting down")
-        # NOTE: no validation here: add_request, on the loop thread, is the engine's one
-        # check, and its InvalidRequestError comes back through the stream.
+        self.engine.validate(prompt_ids, params)
         waiting = self._stats.get("waiting", 0)
         if waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"server overloaded: {int(waiting)} requests waiting; retry later"
             )
+        return self._stream(prompt_ids, params, request_id)
+
+    async def _stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
@@ -290,7 +296,7 @@ class AsyncEngine:
                 )
                 return
             try:
-                self.engine.add_request(prompt_ids, params, request_id)
+                self.engine.enqueue(prompt_ids, params, request_id)
             except (QueueFullError, ValueError) as exc:
                 error: BaseException = (
                     EngineOverloadedError(str(exc)) if isinstance(exc, QueueFullError) else exc

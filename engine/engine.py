@@ -134,9 +134,17 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        """Tokenize, validate and queue a request; its id."""
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
+        return self.enqueue(prompt_ids, params, request_id)
+
+    def enqueue(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request that ``validate`` accepted, without checking it again (the
+        AsyncEngine validates once at its boundary, on the caller's thread)."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -234,14 +234,9 @@ class EngineClient:
         return str(self.tokenizer.decode([token_id]))
 
     # ---------------------------------------------------------------- engine
-    def validate(
-        self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt"
-    ) -> None:
-        """Engine checks plus the context-length budget, as 400 APIErrors with numbers."""
-        try:
-            self.engine.validate(prompt_ids, params)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=param_at_fault(exc, prompt_param)) from exc
+    def check_context(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The context budget: prompt and max_tokens together must fit the context (a 400
+        as OpenAI words it; the engine itself would end such a request at the limit)."""
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise APIError(
@@ -264,10 +259,15 @@ class EngineClient:
         NOTE: closing this generator (client gone) cancels every member stream, and the
         engine aborts each request and frees its KV. The first failing member closes all.
         """
+        # NOTE: the engine validates each choice at this call (InvalidRequestError names
+        # the field) and queues nothing until a stream is read: a bad field or budget
+        # fails here, before any choice of the request is queued.
         gens = [
             self.engine.generate(p, sp, rid)
             for p, sp, rid in zip(prompts, params, request_ids, strict=True)
         ]
+        for prompt_ids, sp in zip(prompts, params, strict=True):
+            self.check_context(prompt_ids, sp)
         if len(gens) == 1:
             try:
                 async for out in gens[0]:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.grammar_spec import GrammarSpec
 from engine.request import RequestOutput, TokenLogprob
 from server.constraints import parse_checked, request_constraint, statically_checked
+from server.endpoint_frame import Endpoint, serve
 from server.engine_client import EngineClient
 from server.errors import APIError
-from server.metrics import RequestTimer, ServerMetrics
+from server.metrics import ServerMetrics
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -26,23 +25,11 @@ from server.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
+    UsageInfo,
     random_id,
 )
-from server.serving import (
-    Item,
-    Plan,
-    chain_first,
-    check_request,
-    collect,
-    make_plan,
-    make_timers,
-    make_usage,
-    prime,
-    start_generation,
-    stream_error_event,
-    until_disconnect,
-)
-from server.sse import SSE_DONE, SSEResponse, sse_event
+from server.serving import Plan, check_request, make_plan, make_usage
+from server.sse import sse_event
 from server.tools.definitions import ToolPlan, tool_plan
 from server.tools.prompt import with_tools
 from server.tools.response import finish_tools, tool_calls_of
@@ -133,75 +120,122 @@ def chat_logprobs(client: EngineClient, entries: list[TokenLogprob]) -> ChatLogp
     return ChatLogprobs(content=content)
 
 
+class ChatEndpoint(Endpoint):
+    """/v1/chat/completions: messages through the chat template, tools, chat deltas."""
+
+    prompt_field = "messages"
+    req: ChatCompletionRequest
+
+    def __init__(self, req: ChatCompletionRequest, client: EngineClient) -> None:
+        super().__init__(req, client)
+        self.tools = tool_plan(req)
+        self.started: set[int] = set()  # choices whose role chunk went out
+        self.tool_streams: dict[int, ToolStream] = {}
+
+    async def plan(self, request: Request) -> Plan:
+        req, client, tools = self.req, self.client, self.tools
+        check_request(req, client)
+        _check_chat_fields(req)
+        grammar = await parse_checked(chat_constraint(req, tools))
+        messages, tool_defs = with_tools(
+            chat_messages(req), req, tools, client.tool_parser, client.template_knows_tools
+        )
+        prompt_ids = await client.render_chat(
+            messages,
+            add_generation_prompt=req.add_generation_prompt is not False,
+            continue_final_message=bool(req.continue_final_message),
+            tools=tool_defs,
+        )
+        requested = req.max_completion_tokens or req.max_tokens
+        room = client.max_model_len - len(prompt_ids)
+
+        def max_tokens(_: list[int]) -> int:
+            # Unset: whatever the context leaves (at least 1, so a too-long prompt gets its 400).
+            return requested if requested is not None else max(room, 1)
+
+        return make_plan(
+            client,
+            req,
+            random_id("chatcmpl"),
+            [prompt_ids],
+            max_tokens,
+            (req.top_logprobs or 0) if req.logprobs else None,
+            "top_logprobs",
+            grammar,
+            authorization=request.headers.get("authorization"),
+        )
+
+    def reply(self, plan: Plan, finals: dict[int, RequestOutput]) -> ChatCompletionResponse:
+        req, client, tools = self.req, self.client, self.tools
+        choices = []
+        for k in range(plan.num_choices):
+            message = ChatResponseMessage(content=finals[k].text)
+            finish_reason = finals[k].finish_reason
+            if tools.active:
+                outcome = finish_tools(tools, client.tool_parser, finals[k].text, finish_reason)
+                message = ChatResponseMessage(
+                    content=outcome.content, tool_calls=tool_calls_of(outcome.calls) or None
+                )
+                finish_reason = outcome.finish_reason
+            logprobs = chat_logprobs(client, finals[k].logprobs or []) if req.logprobs else None
+            choices.append(
+                ChatChoice(
+                    index=k,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=finals[k].stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=plan.base_id,
+            model=client.served_model_name,
+            choices=choices,
+            usage=make_usage(plan, finals),
+        )
+
+    def deltas(self, plan: Plan, k: int, out: RequestOutput) -> list[str]:
+        events = []
+        if k not in self.started:
+            self.started.add(k)
+            role = DeltaMessage(role="assistant", content="")
+            events.append(self._chunk(plan, [ChatStreamChoice(index=k, delta=role)]))
+        logprobs = None
+        if self.req.logprobs and out.new_logprobs:
+            logprobs = chat_logprobs(self.client, out.new_logprobs)
+        if self.tools.active:
+            stream = self.tool_streams.get(k)
+            if stream is None:
+                stream = self.tool_streams[k] = ToolStream(self.tools, self.client.tool_parser)
+            for event in _tool_events(k, out, logprobs, stream):
+                events.append(self._chunk(plan, [event]))
+            return events
+        if out.new_text or logprobs or out.finished:
+            delta = DeltaMessage(content=out.new_text or None)
+            choice = ChatStreamChoice(
+                index=k, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason
+            )
+            events.append(self._chunk(plan, [choice]))
+        return events
+
+    def usage_event(self, plan: Plan, usage: UsageInfo) -> str:
+        return self._chunk(plan, [], usage)
+
+    def _chunk(
+        self, plan: Plan, choices: list[ChatStreamChoice], usage: UsageInfo | None = None
+    ) -> str:
+        model = self.client.served_model_name
+        return _chunk_event(
+            ChatCompletionChunk(
+                id=plan.base_id, created=self.created, model=model, choices=choices, usage=usage
+            )
+        )
+
+
 async def serve_chat(
     req: ChatCompletionRequest, request: Request, client: EngineClient, metrics: ServerMetrics
 ) -> Response:
-    start = time.perf_counter()
-    check_request(req, client)
-    _check_chat_fields(req)
-    tools = tool_plan(req)
-    grammar = await parse_checked(chat_constraint(req, tools))
-    messages, tool_defs = with_tools(
-        chat_messages(req), req, tools, client.tool_parser, client.template_knows_tools
-    )
-    prompt_ids = await client.render_chat(
-        messages,
-        add_generation_prompt=req.add_generation_prompt is not False,
-        continue_final_message=bool(req.continue_final_message),
-        tools=tool_defs,
-    )
-    requested = req.max_completion_tokens or req.max_tokens
-    room = client.max_model_len - len(prompt_ids)
-
-    def max_tokens(_: list[int]) -> int:
-        # Unset: whatever the context leaves (at least 1, so a too-long prompt gets its 400).
-        return requested if requested is not None else max(room, 1)
-
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    plan = make_plan(
-        client,
-        req,
-        random_id("chatcmpl"),
-        [prompt_ids],
-        max_tokens,
-        logprobs,
-        "messages",
-        grammar,
-        authorization=request.headers.get("authorization"),
-    )
-    gen = start_generation(client, plan)
-    timers = make_timers(metrics, start, plan.num_choices)
-    if req.stream:
-        first = await prime(request, gen, "messages")
-        return SSEResponse(_stream(req, plan, client, chain_first(first, gen), timers, tools))
-
-    finals = await until_disconnect(request, collect(gen, timers, "messages"))
-    choices = []
-    for k in range(plan.num_choices):
-        message = ChatResponseMessage(content=finals[k].text)
-        finish_reason = finals[k].finish_reason
-        if tools.active:
-            outcome = finish_tools(tools, client.tool_parser, finals[k].text, finish_reason)
-            message = ChatResponseMessage(
-                content=outcome.content, tool_calls=tool_calls_of(outcome.calls) or None
-            )
-            finish_reason = outcome.finish_reason
-        choices.append(
-            ChatChoice(
-                index=k,
-                message=message,
-                logprobs=chat_logprobs(client, finals[k].logprobs or []) if req.logprobs else None,
-                finish_reason=finish_reason,
-                stop_reason=finals[k].stop_reason,
-            )
-        )
-    body = ChatCompletionResponse(
-        id=plan.base_id,
-        model=client.served_model_name,
-        choices=choices,
-        usage=make_usage(plan, finals),
-    )
-    return JSONResponse(body.model_dump())
+    return await serve(ChatEndpoint(req, client), request, metrics)
 
 
 def _tool_events(
@@ -237,66 +271,3 @@ def _chunk_event(chunk: ChatCompletionChunk) -> str:
     for choice, model in zip(payload["choices"], chunk.choices, strict=True):
         choice["delta"] = model.delta.model_dump(exclude_none=True)
     return sse_event(payload)
-
-
-async def _stream(
-    req: ChatCompletionRequest,
-    plan: Plan,
-    client: EngineClient,
-    outputs: AsyncIterator[Item],
-    timers: list[RequestTimer],
-    tools: ToolPlan,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    model = client.served_model_name
-    started = [False] * plan.num_choices
-    finals = {}
-    tool_streams = [ToolStream(tools, client.tool_parser) for _ in range(plan.num_choices)]
-
-    def chunk(choices: list[ChatStreamChoice]) -> str:
-        return _chunk_event(
-            ChatCompletionChunk(id=plan.base_id, created=created, model=model, choices=choices)
-        )
-
-    try:
-        async for k, out in outputs:
-            timers[k].observe(out)
-            if not started[k]:
-                started[k] = True
-                yield chunk(
-                    [ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))]
-                )
-            logprobs = None
-            if req.logprobs and out.new_logprobs:
-                logprobs = chat_logprobs(client, out.new_logprobs)
-            if out.finished:
-                finals[k] = out
-            if tools.active:
-                for event in _tool_events(k, out, logprobs, tool_streams[k]):
-                    yield chunk([event])
-                continue
-            if not (out.new_text or logprobs or out.finished):
-                continue
-            delta = DeltaMessage(content=out.new_text or None)
-            yield chunk(
-                [
-                    ChatStreamChoice(
-                        index=k, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason
-                    )
-                ]
-            )
-        if req.stream_options is not None and req.stream_options.include_usage:
-            yield _chunk_event(
-                ChatCompletionChunk(
-                    id=plan.base_id,
-                    created=created,
-                    model=model,
-                    choices=[],
-                    usage=make_usage(plan, finals),
-                )
-            )
-    except Exception as exc:
-        yield stream_error_event(exc, "messages")
-    finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
-    yield SSE_DONE

@@ -1,11 +1,13 @@
-"""What completions and chat completions share: sampling params, fan-out, collection, usage."""
+"""What the generation endpoints share: request caps, sampling params, the plan, usage.
+
+The sequence they follow is server/endpoint_frame.py."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -14,11 +16,9 @@ from fastapi import Request
 from engine.grammar_spec import GrammarSpec
 from engine.kvcache.miss_reasons import MissReasons
 from engine.request import RequestOutput, SamplingParams
-from server.engine_client import EngineClient, translate_engine_error
-from server.errors import APIError, error_json, internal_error
-from server.metrics import RequestTimer, ServerMetrics
+from server.engine_client import EngineClient
+from server.errors import APIError
 from server.protocol import CacheMissReasons, PromptTokensDetails, UsageInfo, _SamplingRequest
-from server.sse import sse_event
 from server.tenant_salt import engine_salt
 
 logger = logging.getLogger("hiserve.server")
@@ -43,14 +43,6 @@ def check_request(req: _SamplingRequest, client: EngineClient, num_prompts: int 
             "Split it into several requests.",
             param="n",
             code="too_many_choices",
-        )
-    stop_ids = req.stop_token_ids or []
-    if len(stop_ids) > client.max_stop_token_ids:
-        raise APIError(
-            400,
-            f"stop_token_ids has {len(stop_ids)} ids; at most {client.max_stop_token_ids} "
-            "are allowed (--max-stop-token-ids)",
-            param="stop_token_ids",
         )
     if req.model is not None and req.model not in client.model_aliases:
         raise APIError(
@@ -140,15 +132,20 @@ def make_plan(
     prompts: list[list[int]],
     max_tokens: Callable[[list[int]], int],
     logprobs: int | None,
-    prompt_param: str,
+    logprobs_param: str,
     grammar: GrammarSpec | None = None,
     authorization: str | None = None,
     prompt_logprobs: int | None = None,
 ) -> Plan:
-    """Validate once per prompt up front, so a bad field fails before anything is queued.
+    """The request's choices, after the caps that bound the whole request (choices,
+    prompt tokens copied, constrained choices, logprob entries).
 
-    The samples of one prompt differ only in their seed: they share one validated
-    SamplingParams (and its stop-id set) rather than each building and checking a copy.
+    The fields themselves are validated by the engine, once per choice, when the choices
+    start (``AsyncEngine.generate``, before any is queued); the context budget of each is
+    checked there too (``EngineClient.generate_many``). The samples of one prompt differ
+    only in their seed: they share one SamplingParams (and its stop-id set).
+
+    ``logprobs_param``: the field that asks for logprobs (``logprobs``, ``top_logprobs``).
 
     ``grammar``: the output constraint every choice follows (each engine request gets
     its own matcher; the spec itself is shared).
@@ -194,7 +191,6 @@ def make_plan(
         base.group = base_id  # every copy shares ``base``: the scheduler takes turns
         base.cache_salt = engine_salt(req.cache_salt, authorization, client.cache_salt_from_key)
         base.prompt_logprobs = prompt_logprobs
-        client.validate(prompt, base, prompt_param)
         if logprobs is not None:
             entries += plan.n * base.max_tokens * (1 + logprobs)
         rest = base
@@ -207,7 +203,7 @@ def make_plan(
                 params = dataclasses.replace(params, seed=seed)
             plan.params.append(params)
     if entries > client.max_logprob_entries:
-        param = "top_logprobs" if prompt_param == "messages" else "logprobs"
+        param = logprobs_param
         raise APIError(
             400,
             f"this request may return {entries} logprob entries ({plan.num_choices} choices x "
@@ -219,12 +215,6 @@ def make_plan(
         )
     plan.own_tokens = client.cache_report.own_prefixes(authorization, prompts)
     return plan
-
-
-def start_generation(client: EngineClient, plan: Plan) -> AsyncIterator[Item]:
-    return client.generate_many(
-        [plan.prompt_of(k) for k in range(plan.num_choices)], plan.params, plan.request_ids()
-    )
 
 
 def reported_cache(out: RequestOutput, limit: int | None) -> tuple[int, int, int]:
@@ -292,63 +282,3 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
-
-
-def engine_error(exc: BaseException, prompt_param: str) -> APIError:
-    api = translate_engine_error(exc, prompt_param)
-    if api is None:
-        return internal_error("the engine failed this request", exc)
-    return api
-
-
-async def collect(
-    gen: AsyncIterator[Item], timers: list[RequestTimer], prompt_param: str
-) -> dict[int, RequestOutput]:
-    """Run every choice to its end; the final snapshot of each, by choice index."""
-    finals: dict[int, RequestOutput] = {}
-    try:
-        async for index, out in gen:
-            timers[index].observe(out)
-            if out.finished:
-                finals[index] = out
-    except (APIError, ValueError, RuntimeError) as exc:
-        raise engine_error(exc, prompt_param) from exc
-    finally:
-        await gen.aclose()  # type: ignore[attr-defined]
-    return finals
-
-
-async def prime(request: Request, gen: AsyncIterator[Item], prompt_param: str) -> Item | None:
-    """Wait for the first output before the 200 goes out, so queue-full is still a 503.
-
-    None when every choice ended without output (cannot happen with max_tokens >= 1).
-    """
-    try:
-        return await until_disconnect(request, gen.__anext__())
-    except StopAsyncIteration:
-        return None
-    except (APIError, ValueError, RuntimeError) as exc:
-        await gen.aclose()  # type: ignore[attr-defined]
-        raise engine_error(exc, prompt_param) from exc
-    except BaseException:
-        await gen.aclose()  # type: ignore[attr-defined]
-        raise
-
-
-async def chain_first(first: Item | None, gen: AsyncIterator[Item]) -> AsyncIterator[Item]:
-    try:
-        if first is not None:
-            yield first
-        async for item in gen:
-            yield item
-    finally:
-        await gen.aclose()  # type: ignore[attr-defined]
-
-
-def stream_error_event(exc: BaseException, prompt_param: str) -> str:
-    """An error after the 200 went out: sent as an SSE data event (clients raise on it)."""
-    return sse_event(error_json(engine_error(exc, prompt_param)))
-
-
-def make_timers(metrics: ServerMetrics, start: float, count: int) -> list[RequestTimer]:
-    return [metrics.timer(start) for _ in range(count)]

@@ -76,14 +76,20 @@ class FakeEngine:
             )
         params.validate(self.vocab_size)
 
-    async def generate(
+    def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
+        # As AsyncEngine.generate: validated at the call, before anything is queued.
         self.validate(prompt_ids, params)
-        if not self.alive:
-            raise EngineDeadError("loop stopped")
         if self.overloaded:
             raise EngineOverloadedError("server overloaded: 9 requests waiting; retry later")
+        return self._generate(prompt_ids, params, request_id)
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.alive:
+            raise EngineDeadError("loop stopped")
         self.calls.append((request_id, params))
         self.prompts.append(list(prompt_ids))
         # A hit on a prompt seen before under the same cache_salt, as the real caches do.

@@ -21,10 +21,10 @@ class SteppedEngine(Engine):
         self.parked = threading.Event()
         self.resume = threading.Event()
         self.crash: BaseException | None = None
-        self.added: list[str] = []
+        self.added: list[str] = []  # what was queued (add_request and the loop's enqueue)
 
-    def add_request(self, *args: Any, **kwargs: Any) -> str:
-        request_id = super().add_request(*args, **kwargs)
+    def enqueue(self, *args: Any, **kwargs: Any) -> str:
+        request_id = super().enqueue(*args, **kwargs)
         self.added.append(request_id)
         return request_id
 

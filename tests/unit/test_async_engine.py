@@ -9,6 +9,7 @@ failure.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from engine.errors import InvalidRequestError
 from engine.request import RequestOutput
 from tests.unit.stepped_engine import HANG_S, SteppedEngine
 
@@ -159,3 +161,33 @@ def test_loop_crash_reaches_running_streams(tiny_llama_dir: Path) -> None:
             await async_engine.generate([5], LONG, "after").__anext__()
 
     asyncio.run(run())
+
+
+def test_a_request_is_validated_once_before_it_is_queued(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AsyncEngine.generate is the engine's one check: at the call, on the caller's thread;
+    the loop thread queues the request without checking it again."""
+    async_engine, engine = make_async(tiny_llama_dir)
+    checked_on: list[str] = []
+    real_validate = engine.validate
+
+    def spy(prompt_ids: list[int], params: SamplingParams) -> None:
+        checked_on.append(threading.current_thread().name)
+        real_validate(prompt_ids, params)
+
+    monkeypatch.setattr(engine, "validate", spy)
+
+    async def run() -> RequestOutput:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        final = await last_output(async_engine.generate([5, 6, 7], params, "good"))
+        with pytest.raises(InvalidRequestError) as refused:
+            async_engine.generate([5, 6], SamplingParams(top_p=0.0), "bad")  # at the call
+        assert refused.value.param == "top_p"
+        await async_engine.shutdown(grace_s=0)
+        return final
+
+    final = asyncio.run(run())
+    assert len(final.token_ids) == 3
+    assert checked_on == [threading.current_thread().name] * 2  # never on the loop thread
+    assert engine.added == ["good"]  # the refused request was never queued
