@@ -19,6 +19,7 @@ import pytest
 
 from engine.cache_salt import MAX_CACHE_SALT_CHARS, SALT_BUCKETS, salt_bucket, salt_digest
 from engine.config import EngineConfig
+from engine.engine_stats import salt_counter
 from server.app import create_app
 from server.args import ServerArgs, parse_args
 from tests.integration.fake_engine import FakeEngine
@@ -141,6 +142,29 @@ def test_cache_salt_from_key_partitions_by_bearer_token(serve: Any) -> None:
         "shared",
         "shared",
     ]
+
+
+def test_metrics_have_sixteen_salt_buckets_and_no_salt(
+    tools: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/metrics renders the engine's per-bucket counters as exactly SALT_BUCKETS series
+    per family (the engine side is checked in tests/unit/test_cache_salt_engine.py)."""
+    stats = FakeEngine.stats
+
+    def with_buckets(self: FakeEngine) -> dict[str, float]:
+        return {**stats(self), salt_counter(3, "prompt"): 41, salt_counter(3, "cached"): 40}
+
+    monkeypatch.setattr(FakeEngine, "stats", with_buckets)
+    srv = tools.ThreadServer(create_app(ServerArgs(engine=EngineConfig()), FakeEngine))
+    with srv:
+        assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
+        text = httpx.get(srv.base_url + "/metrics").text
+    for what, value in (("prompt", 41), ("cached", 40)):
+        name = f"hiserve:salted_{what}_tokens_total"
+        series = [line for line in text.splitlines() if line.startswith(name + "{")]
+        assert len(series) == SALT_BUCKETS
+        assert tools.metric_value(text, name, 'salt_bucket="3"') == value
+        assert tools.metric_value(text, name, 'salt_bucket="4"') == 0
 
 
 def test_the_flag_is_parsed() -> None:
