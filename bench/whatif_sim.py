@@ -133,11 +133,15 @@ class _InstantTransfer(KVTransfer):
     ) -> None:  # no super().__init__: nothing to allocate
         self.device_pool, self.host_pool = device_pool, host_pool
 
+    # Finished handles are never changed again: one of each serves every copy.
+    _BACKUP = TransferHandle("backup", 0, 0, finished=True)
+    _LOAD = TransferHandle("load", 0, 0, finished=True)
+
     def backup_async(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> TransferHandle:
-        return TransferHandle("backup", int(device_slots.numel()), 0, finished=True)
+        return self._BACKUP
 
     def load_async(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> TransferHandle:
-        return TransferHandle("load", int(device_slots.numel()), 0, finished=True)
+        return self._LOAD
 
 
 def build_tree(config: SimConfig, indexed: bool = True) -> tuple[RadixCache, PageAllocator]:
