@@ -260,7 +260,9 @@ class Engine:
         kv_ids = req.all_ids[: max(req.kv_len, prompt_len)]
         hit = {"device": req.cached_device, "host": req.cached_host, "storage": req.cached_storage}
         salt: str | None = getattr(req.params, "cache_salt", None)  # the raw salt, if any
-        self.tracer.record(kv_ids, prompt_len, len(req.output_ids), req.arrival_time, salt, hit)
+        self.tracer.record(
+            kv_ids, prompt_len, len(req.output_ids), req.arrival_time, salt, hit, req.admit_time
+        )
 
     # ------------------------------------------------------------------ offline
     def generate(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -78,6 +79,7 @@ class KVCacheManager:
             req.cached_storage = from_storage if loaded_len >= from_storage else 0
             req.cached_host = loaded_len - req.cached_storage
             req.reported_cache = True
+            req.admit_time = time.monotonic()
 
     # ------------------------------------------------------------------ L3 prefetch
     def prefetch_ready(self, req: Req, match: MatchResult) -> MatchResult | None:
