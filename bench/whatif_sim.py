@@ -6,7 +6,8 @@ its LRU eviction, write-through backups, host-only nodes and load-back behave as
 server, while keys are ``page_size`` times shorter. Memory is simulated: the device and
 host pools hold zero layers (no bytes), and copies between them finish at once.
 
-Per request, in arrival order (requests whose ``t_end`` has passed are released first):
+Per request, in order of admission (a server's trace) or arrival (requests whose
+``t_end`` has passed are released first):
 match and lock the prompt's cached prefix, load host-only hits back (``load_back``, all
 or nothing, under the load threshold it is recomputed), count stored (L3) pages that
 continue the match, allocate the request's own pages (evicting as the manager does), and
@@ -133,11 +134,15 @@ class _InstantTransfer(KVTransfer):
     ) -> None:  # no super().__init__: nothing to allocate
         self.device_pool, self.host_pool = device_pool, host_pool
 
+    # Finished handles are never changed again: one of each serves every copy.
+    _BACKUP = TransferHandle("backup", 0, 0, finished=True)
+    _LOAD = TransferHandle("load", 0, 0, finished=True)
+
     def backup_async(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> TransferHandle:
-        return TransferHandle("backup", int(device_slots.numel()), 0, finished=True)
+        return self._BACKUP
 
     def load_async(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> TransferHandle:
-        return TransferHandle("load", int(device_slots.numel()), 0, finished=True)
+        return self._LOAD
 
 
 def build_tree(config: SimConfig, indexed: bool = True) -> tuple[RadixCache, PageAllocator]:
@@ -192,11 +197,11 @@ class Replay:
         self._fresh = itertools.count(1)  # output pages the trace has no hash for
 
     def run(self, records: list[TraceRecord]) -> SimResult:
-        order = sorted(range(len(records)), key=lambda i: records[i].t)
+        order = sorted(range(len(records)), key=lambda i: records[i].start)
         running: list[tuple[float, int, _Running]] = []
         for i in order:
             record = records[i]
-            while running and running[0][0] <= record.t:
+            while running and running[0][0] <= record.start:
                 self._release(heapq.heappop(running)[2])
             heapq.heappush(running, (record.t_end, i, self._admit(record)))
         while running:
@@ -284,7 +289,7 @@ def ideal_hits(records: list[TraceRecord], page_size: int) -> int:
     """Prompt tokens an unbounded cache of whole pages serves (page-granular ideal)."""
     seen: set[int] = set()
     hit = 0
-    for record in sorted(records, key=lambda r: r.t):
+    for record in sorted(records, key=lambda r: r.start):
         match_pages = min(record.prompt_pages, (record.prompt_len - 1) // page_size)
         n = 0
         for page_hash in record.pages[:match_pages]:

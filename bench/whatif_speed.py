@@ -44,9 +44,10 @@ def main() -> None:
     footprint = footprint_tokens(records, args.page_size)
     base = SimConfig(args.page_size, max(footprint // 20, args.page_size))
     spec = GridSpec(base, tuple(args.curves), args.points)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     report = what_if(records, spec, args.jobs)
     replayed = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started  # this process only: meaningful with --jobs 1
     replays = sum(len(c["points"]) for c in report["curves"].values())
     print(
         f"{len(records)} requests, {sum(len(r.pages) for r in records)} page hashes, "
@@ -54,9 +55,14 @@ def main() -> None:
     )
     print(
         f"{replays} grid points x {len(records)} requests replayed in {replayed:.1f} s with "
-        f"{args.jobs} processes ({replayed * args.jobs / (replays * len(records)) * 1e6:.0f} "
-        "us of CPU per replayed request)"
+        f"{args.jobs} processes"
     )
+    if args.jobs == 1:
+        per = cpu / (replays * len(records))
+        print(
+            f"{cpu:.1f} s of CPU: {per * 1e6:.0f} us per replayed request; a 20-point grid "
+            f"of 100k requests needs {per * 100_000 * 20:.0f} CPU s"
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ the salt). ``hiserve-bench whatif`` replays a trace through the real prefix tree
 File layout: a header line ``{"trace": "hiserve-cache-trace", "version": 1,
 "page_size": P, "source": ...}``, then per request (in finishing order)::
 
-    {"t": arrival s, "t_end": finish s (both from the trace start), "salt": digest or "",
+    {"t": arrival s, "t_admit": first admission s (null: not known), "t_end": finish s
+     (all from the trace start), "salt": digest or "",
      "prompt_len": n, "output_len": m, "prompt_pages": whole prompt pages,
      "pages": [chain over the whole pages the request leaves in KV: prompt, then output],
      "hit": {"device": d, "host": h, "storage": s} or null (no server measured it)}
@@ -74,11 +75,18 @@ class TraceRecord:
     prompt_pages: int
     pages: list[int]
     hit: dict[str, int] | None = None
+    t_admit: float | None = None  # when its hits were decided (a server knows; else None)
+
+    @property
+    def start(self) -> float:
+        """When the request took its cache hits: admission if known, else arrival."""
+        return self.t if self.t_admit is None else self.t_admit
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "t": round(self.t, 6),
+                "t_admit": None if self.t_admit is None else round(self.t_admit, 6),
                 "t_end": round(self.t_end, 6),
                 "salt": self.salt,
                 "prompt_len": self.prompt_len,
@@ -104,10 +112,12 @@ def make_record(
     t_end: float,
     salt: str = "",
     hit: dict[str, int] | None = None,
+    t_admit: float | None = None,
 ) -> TraceRecord:
     """The record of a request whose KV covers ``kv_ids`` (at least its prompt)."""
     pages = page_chain(kv_ids, page_size, salt)
-    return TraceRecord(t, t_end, salt, prompt_len, output_len, prompt_len // page_size, pages, hit)
+    prompt_pages = prompt_len // page_size
+    return TraceRecord(t, t_end, salt, prompt_len, output_len, prompt_pages, pages, hit, t_admit)
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,7 @@ def _records(lines: Iterator[str], path: str) -> Iterator[TraceRecord]:
                 int(raw["prompt_pages"]),
                 [int(h) for h in raw["pages"]],
                 raw.get("hit"),
+                None if raw.get("t_admit") is None else float(raw["t_admit"]),
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}:{number}: broken trace record ({e})") from e
@@ -192,9 +203,10 @@ class CacheTracer:
         arrival: float,
         salt: str | None,
         hit: dict[str, int],
+        admitted: float | None = None,
     ) -> None:
-        """Queue one finished request (``arrival``: its ``time.monotonic()``)."""
-        item = (kv_ids, prompt_len, output_len, arrival, time.monotonic(), salt, hit)
+        """Queue one finished request (``arrival``, ``admitted``: ``time.monotonic()``)."""
+        item = (kv_ids, prompt_len, output_len, arrival, time.monotonic(), salt, hit, admitted)
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -205,7 +217,7 @@ class CacheTracer:
             item = self._queue.get()
             if item is None:
                 break
-            kv_ids, prompt_len, output_len, arrival, finish, salt, hit = item
+            kv_ids, prompt_len, output_len, arrival, finish, salt, hit, admitted = item
             record = make_record(
                 kv_ids,
                 prompt_len,
@@ -215,6 +227,7 @@ class CacheTracer:
                 finish - self.start,
                 trace_salt(salt),
                 hit,
+                None if admitted is None else admitted - self.start,
             )
             self._file.write(record.to_json() + "\n")
             self.written += 1

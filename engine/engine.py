@@ -312,7 +312,13 @@ class Engine:
         kv_ids = req.all_ids[: max(req.kv_len, prompt_len)]
         hit = {"device": req.cached_device, "host": req.cached_host, "storage": req.cached_storage}
         self.tracer.record(
-            kv_ids, prompt_len, len(req.output_ids), req.arrival_time, req.cache_salt, hit
+            kv_ids,
+            prompt_len,
+            len(req.output_ids),
+            req.arrival_time,
+            req.cache_salt,
+            hit,
+            req.admit_time,
         )
 
     # ------------------------------------------------------------------ offline

@@ -249,6 +249,7 @@ class Req:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    admit_time: float | None = None  # first admission: when its cache hits were decided
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # Scored prompt tokens 1.. so far (entry i: prompt token i + 1, from position i).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

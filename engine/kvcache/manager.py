@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -85,6 +86,7 @@ class KVCacheManager:
             left = (device_hit, device_hit + host_len) if host_len and not loaded_len else None
             req.miss_reasons = self._miss_reasons(req, match.device_len, left, late)
             req.reported_cache = True
+            req.admit_time = time.monotonic()
 
     def _miss_reasons(
         self,

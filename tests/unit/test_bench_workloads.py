@@ -152,3 +152,22 @@ def test_summarize() -> None:
     for q in (50, 90, 99):
         assert summary[f"p{q}"] == pytest.approx(np.percentile(values, q))
     assert summarize([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_long_tail_is_seeded_and_skewed() -> None:
+    config = WorkloadConfig(
+        workload="long-tail", num_groups=20, num_prompts=400, shared_prefix_len=50, suffix_len=5
+    )
+    first, again = generate(config), generate(config)
+    assert [r.prompt for r in first.requests] == [r.prompt for r in again.requests]
+    documents: dict[tuple[int, ...], int] = {}
+    for request in first.requests:
+        assert len(request.prompt) <= 4 * 50 + 5
+        key = tuple(request.prompt[:-5])
+        documents[key] = documents.get(key, 0) + 1
+    counts = sorted(documents.values(), reverse=True)
+    # Zipf(1.1) over 20 documents: the hottest takes ~28% of requests, the coldest ~1%.
+    assert counts[0] > 0.15 * 400 and counts[0] > 5 * counts[-1]
+    assert first.ideal_hit_rate() > 0.5
+    with pytest.raises(ValueError, match="zipf_s"):
+        WorkloadConfig(workload="long-tail", zipf_s=0)

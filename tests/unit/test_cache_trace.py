@@ -25,7 +25,17 @@ from engine.cache_trace import (
 from server.args import parse_args
 from tests.unit.cpu_engine import checked_engine
 
-RECORD_KEYS = {"t", "t_end", "salt", "prompt_len", "output_len", "prompt_pages", "pages", "hit"}
+RECORD_KEYS = {
+    "t",
+    "t_admit",
+    "t_end",
+    "salt",
+    "prompt_len",
+    "output_len",
+    "prompt_pages",
+    "pages",
+    "hit",
+}
 
 
 def test_chains_share_exactly_the_shared_whole_pages() -> None:
@@ -135,6 +145,7 @@ def test_engine_trace_records_what_hit(tiny_llama_dir, tmp_path) -> None:
     assert outs[1].cached_tokens_device == 28  # the shared whole pages
     first, second = records
     assert first.prompt_len == 39 and first.output_len == 5 and first.prompt_pages == 9
+    assert first.t_admit is not None and first.t <= first.t_admit <= first.t_end <= second.t
     # Pages cover the KV left at the finish: prompt + output but the last sampled token.
     assert len(first.pages) == (39 + 5 - 1) // 4
     assert first.pages[:7] == second.pages[:7] and first.pages[7] != second.pages[7]
