@@ -128,14 +128,15 @@ class ChatEndpoint(Endpoint):
 
     def __init__(self, req: ChatCompletionRequest, client: EngineClient) -> None:
         super().__init__(req, client)
-        self.tools = tool_plan(req)
+        self.tools = ToolPlan([], "none")  # set by ``plan``, after the cheaper checks
         self.started: set[int] = set()  # choices whose role chunk went out
         self.tool_streams: dict[int, ToolStream] = {}
 
     async def plan(self, request: Request) -> Plan:
-        req, client, tools = self.req, self.client, self.tools
+        req, client = self.req, self.client
         check_request(req, client)
         _check_chat_fields(req)
+        tools = self.tools = tool_plan(req)
         grammar = await parse_checked(chat_constraint(req, tools))
         messages, tool_defs = with_tools(
             chat_messages(req), req, tools, client.tool_parser, client.template_knows_tools
