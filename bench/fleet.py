@@ -50,6 +50,34 @@ FAST_ROUTER_FLAGS = (
     "--load-monitor-interval",
     "1",
 )
+# What docker-compose.yml and the Kubernetes router ship for a replica's death
+# (docs/fleet.md, "When a replica dies"; tests/container checks they agree): a refused
+# request is retried on a live replica, the breaker drops a replica after 2 failures
+# and tries it again after 5 s, health is probed every 2 s.
+SHIPPED_FAULT_FLAGS = (
+    "--retry-max-retries",
+    "3",
+    "--retry-initial-backoff-ms",
+    "50",
+    "--retry-max-backoff-ms",
+    "500",
+    "--cb-failure-threshold",
+    "2",
+    "--cb-success-threshold",
+    "1",
+    "--cb-timeout-duration-secs",
+    "5",
+    "--cb-window-duration-secs",
+    "30",
+    "--health-check-interval-secs",
+    "2",
+    "--health-check-timeout-secs",
+    "3",
+    "--health-failure-threshold",
+    "2",
+    "--health-success-threshold",
+    "1",
+)
 START_ATTEMPTS = 3
 
 

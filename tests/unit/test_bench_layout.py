@@ -16,6 +16,7 @@ TOP = {
     "client",
     "compare",
     "fleet",
+    "fleet_sim",
     "grammar",
     "grammar_abuse",
     "hicache_offline",
