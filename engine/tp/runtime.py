@@ -243,6 +243,10 @@ class TPRuntime:
             )
         wait_s = self.stop_join_s if join_s is None else join_s
         end_processes(self.workers, wait_s if orderly else 0.0)
-        leave = partial(collectives.leave_group, self.backend)
-        run_bounded(leave, LEAVE_GROUP_S, "leaving the group")
+        if self.backend == "gloo":
+            # Local (it waits for no peer), and done before a new group may be made.
+            collectives.leave_group(self.backend)
+        else:
+            leave = partial(collectives.leave_group, self.backend)
+            run_bounded(leave, LEAVE_GROUP_S, "leaving the group")
         shutil.rmtree(self._tmp, ignore_errors=True)
