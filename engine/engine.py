@@ -368,6 +368,7 @@ class Engine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "device_graphs": self.runner.graphs is not None,
             "mixed_batches": self.scheduler.mixed,
+            "overlap_schedule": self.overlap,
             **self.kv.host_health(),
         }
 

@@ -47,6 +47,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.penalties": 2,
     "engine.sampler": 4,
     "engine.future_tokens": 4,
+    "engine.sampler_output": 4,
     "engine.graph_runner": 4,
     "engine.graph_startup": 4,
     "engine.graph_buckets": 4,
