@@ -211,3 +211,16 @@ def test_grammar_mask_goes_up_from_pinned_staging_without_blocking() -> None:
     assert not blocking
     cpu_masker = TokenMasker(256, torch.device("cpu"))
     assert cpu_masker._upload(host) is host  # nothing to send on the CPU
+
+
+def test_batched_table_writes_replay_on_other_ranks() -> None:
+    """Tensor parallel: the journal of a batched write rebuilds the same table elsewhere."""
+    journal: list[tuple[int, int, torch.Tensor]] = []
+    rank0 = ReqTable(4, 16, torch.device("cpu"), journal)
+    rank0.write(1, 0, torch.tensor([5, 6, 7]))
+    rank0.write_cells(torch.tensor([1, 3]), torch.tensor([3, 0]), torch.tensor([9, 11]))
+    other = ReqTable(4, 16, torch.device("cpu"))
+    for row, start, slots in journal:
+        other.write(row, start, slots)
+    assert torch.equal(other.cpu, rank0.cpu)
+    assert rank0.read(1, 0, 4).tolist() == [5, 6, 7, 9]
