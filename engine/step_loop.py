@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hiserve.engine")
 
-# Device types the overlapped loop is on for by default. On the CPU the forward runs on
-# the host's own cores, so there is nothing to overlap with (docs/performance.md).
-OVERLAP_DEVICES = ("cuda", "musa")
+# Device types the overlapped loop is on for by default: none yet. On the CPU the forward
+# runs on the host's own cores, so there is nothing to overlap with (docs/performance.md);
+# on cuda and musa it has not yet run on a device (tests/gpu/test_gpu_overlap.py is
+# written, not run), so it stays opt-in there until the device check passes it.
+OVERLAP_DEVICES: tuple[str, ...] = ()
 
 
 def overlap_enabled(config: EngineConfig, device_type: str) -> bool:

@@ -178,9 +178,9 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec(
         "disable-overlap-schedule",
         "run each step to its sampled tokens before scheduling the next, instead of "
-        "scheduling step N+1 while step N runs on the device (unset: overlapped on cuda "
-        "and musa, not on the CPU; --no-disable-overlap-schedule: overlapped everywhere "
-        "but under tensor parallelism)",
+        "scheduling step N+1 while step N runs on the device (unset: not overlapped "
+        "until a GPU device check has run it; --no-disable-overlap-schedule: overlapped "
+        "everywhere but under tensor parallelism)",
         "disable_overlap_schedule",
     ),
     FlagSpec(

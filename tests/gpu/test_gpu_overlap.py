@@ -45,13 +45,13 @@ def outputs(**config: Any) -> list[tuple[Any, ...]]:
 def test_overlapped_equals_plain(tiny_model_dir: Path, graphs: bool) -> None:
     common = dict(model_dir=tiny_model_dir, disable_cuda_graph=not graphs)
     plain = outputs(disable_overlap_schedule=True, **common)
-    assert outputs(disable_overlap_schedule=None, **common) == plain  # on by default
+    assert outputs(disable_overlap_schedule=False, **common) == plain
 
 
 def test_overlapped_hicache_equals_plain(tiny_model_dir: Path) -> None:
     hicache = dict(enable_hierarchical_cache=True, hicache_ratio=4)
     plain = engine_for(tiny_model_dir, disable_overlap_schedule=True, **hicache)
-    over = engine_for(tiny_model_dir, **hicache)
+    over = engine_for(tiny_model_dir, disable_overlap_schedule=False, **hicache)
     assert over.overlap
     assert multiturn(over) == multiturn(plain)
     plain.close()
@@ -59,7 +59,7 @@ def test_overlapped_hicache_equals_plain(tiny_model_dir: Path) -> None:
 
 
 def test_launching_a_decode_step_never_waits(tiny_model_dir: Path) -> None:
-    engine = engine_for(tiny_model_dir, kv_cache_tokens=1024)
+    engine = engine_for(tiny_model_dir, kv_cache_tokens=1024, disable_overlap_schedule=False)
     assert engine.overlap and engine.runner.graphs is not None
     engine.runner.graphs.capture(4, 256)
     real_launch = engine.launch

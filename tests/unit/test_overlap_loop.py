@@ -38,7 +38,7 @@ def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[
 @pytest.mark.parametrize(
     ("flags", "field", "cpu", "cuda"),
     [
-        ([], None, False, True),  # the default: by device
+        ([], None, False, False),  # the default: off until a device has run it
         (["--disable-overlap-schedule"], True, False, False),
         (["--no-disable-overlap-schedule"], False, True, True),
     ],
