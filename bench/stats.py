@@ -7,18 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.client import RequestResult
+from engine.kvcache.miss_reasons import MISS_REASONS  # torch-free, in report order
 
 PERCENTILES = (50, 90, 99)
 TIERS = ("device", "host", "storage")
-# The miss reasons hiserve reports (engine/kvcache/miss_reasons.py), in report order.
-MISS_REASONS = (
-    "never_seen",
-    "evicted",
-    "below_page",
-    "not_loaded",
-    "storage_timeout",
-    "not_routed",
-)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
