@@ -8,22 +8,19 @@ pure-PyTorch path; the reason is logged once and kept in ``build_error()``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-# A build lock older than this was left by an interrupted build (torch would wait on it
-# forever); a real build takes well under a minute.
-STALE_LOCK_SECONDS = 600.0
-
 
 def _cflags(avx512: bool = False) -> list[str]:
     # -fopenmp: at::parallel_for is a header template that runs its OpenMP loop in this
@@ -44,20 +41,31 @@ def _cflags(avx512: bool = False) -> list[str]:
     return flags
 
 
-def clear_stale_build_lock(name: str) -> bool:
-    """Remove the build lock of extension ``name`` if a killed build left it behind."""
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Hold the build of extension ``name`` against every other hiserve process, and clear
+    what a killed build left behind.
+
+    NOTE: torch's own build lock is a plain file (``<build dir>/lock``) that a build killed
+    midway leaves in place, and every later load then waits on it forever (CI once hung
+    this way after a test process was killed during a first build). hiserve's loads first
+    take an ``flock`` on a file beside it, which the kernel releases when its holder dies:
+    whoever holds the flock and still finds torch's lock knows its builder is gone.
+    """
     from torch.utils import cpp_extension
 
-    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_SECONDS:
-        return False
-    logger.warning("removing %s, left %.0f s ago by an interrupted kernel build", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "hiserve.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            lock = build_dir / "lock"
+            if lock.exists():
+                logger.warning("removing %s, left by an interrupted kernel build", lock)
+                lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class NativeExtension:
@@ -108,14 +116,14 @@ class NativeExtension:
                 from torch.utils import cpp_extension
 
                 self.log.info("loading the %s (built once on first use)", self.what)
-                clear_stale_build_lock(name)
-                self.module = cpp_extension.load(
-                    name=name,
-                    sources=[str(self.source)],
-                    extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
+                with build_lock(name):
+                    self.module = cpp_extension.load(
+                        name=name,
+                        sources=[str(self.source)],
+                        extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"],
+                        verbose=False,
+                    )
             except Exception as exc:  # no compiler, no ninja, a failed build: keep PyTorch
                 lines = str(exc).strip().splitlines()
                 self.error = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"

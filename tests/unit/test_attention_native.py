@@ -199,19 +199,51 @@ def test_engine_reports_backend(tiny_llama_dir) -> None:
         assert eng.health()["attention_backend"] == name
 
 
-def test_stale_build_lock_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build killed midway leaves a lock torch would wait on forever."""
+_HOLD_BUILD_LOCK = """
+import sys, time
+from engine.layers import cpu_kernels
+with cpu_kernels.build_lock("k"):
+    open(sys.argv[1], "w").close()  # what torch's build leaves while it runs
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_build_never_blocks_the_next_one(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build killed midway leaves torch's lock file, which torch would wait on forever:
+    the next build waits only while the killed one lives, then removes that file."""
     import os
-    import time
+    import subprocess
+    import sys
+    import threading
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert not cpu_kernels.clear_stale_build_lock("k")  # no lock at all
     lock = tmp_path / "k" / "lock"
-    lock.write_text("")
-    assert not cpu_kernels.clear_stale_build_lock("k") and lock.exists()  # a live build
-    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 5
-    os.utime(lock, (old, old))
-    assert cpu_kernels.clear_stale_build_lock("k") and not lock.exists()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_BUILD_LOCK, str(lock)], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        entered = threading.Event()
+
+        def build() -> None:
+            with cpu_kernels.build_lock("k"):
+                entered.set()
+
+        waiter = threading.Thread(target=build, daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0)  # a live build is waited for, its lock kept
+        assert lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert entered.wait(60.0)  # the kernel dropped the dead holder's flock
+    assert not lock.exists()
+    with cpu_kernels.build_lock("k"):  # and nothing is left to wait on afterwards
+        assert not lock.exists()
 
 
 def test_kernel_runs_on_every_intra_op_thread(kernel) -> None:
