@@ -22,6 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+
 def _cflags(avx512: bool = False) -> list[str]:
     # -fopenmp: at::parallel_for is a header template that runs its OpenMP loop in this
     # module's own code; without the flag it silently runs on one thread. The loader
