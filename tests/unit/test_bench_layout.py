@@ -26,6 +26,7 @@ TOP = {
     "mixed",
     "mooncake_local",
     "offline",
+    "outcomes",
     "report",
     "runner",
     "scoring_cost",
