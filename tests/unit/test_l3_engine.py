@@ -39,6 +39,20 @@ def make_engine(model_dir: Path, store_dir: Path | None, **kw: object) -> Engine
     return checked_engine(model_dir, **cfg)
 
 
+def stall_file_store(monkeypatch: pytest.MonkeyPatch, method: str) -> threading.Event:
+    """Make ``FileStore.<method>`` wait until the returned event is set (at most 60 s,
+    far past the best_effort prefetch policy's 0.1 s)."""
+    release = threading.Event()
+    original = getattr(FileStore, method)
+
+    def stalled(self: FileStore, *args: object) -> object:
+        release.wait(timeout=60)
+        return original(self, *args)
+
+    monkeypatch.setattr(FileStore, method, stalled)
+    return release
+
+
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
@@ -225,14 +239,7 @@ def test_a_store_slower_than_the_timeout_is_a_miss(
     writer = make_engine(tiny_llama_dir, tmp_path)
     writer.generate(batch, PARAMS)
     writer.close()
-    release = threading.Event()
-    original = getattr(FileStore, slow)
-
-    def stalled(self: FileStore, *args: object) -> object:
-        release.wait(timeout=60)  # far past best_effort's 0.1 s
-        return original(self, *args)
-
-    monkeypatch.setattr(FileStore, slow, stalled)
+    release = stall_file_store(monkeypatch, slow)
     reader = make_engine(tiny_llama_dir, tmp_path, hicache_storage_prefetch_policy="best_effort")
     outs = reader.generate(batch[:1], PARAMS)
     assert outs[0].token_ids == reference[tuple(batch[0])]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,9 +16,9 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.kvcache.miss_reasons import MISS_REASONS, MissReasons
-from engine.kvcache.storage.file_store import FileStore
 from engine.request import RequestOutput
 from tests.unit.cpu_engine import checked_engine
+from tests.unit.test_l3_engine import make_engine, stall_file_store
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
@@ -123,37 +122,16 @@ def test_a_short_host_hit_is_not_loaded(tiny_llama_dir: Path) -> None:
     engine.close()
 
 
-def make_l3_engine(model_dir: Path, store_dir: Path, **kw: object) -> Engine:
-    return checked_engine(
-        model_dir,
-        kv_cache_tokens=256,
-        page_size=4,
-        hicache_load_threshold=4,
-        enable_hierarchical_cache=True,
-        hicache_storage_backend="file",
-        hicache_storage_dir=str(store_dir),
-        hicache_storage_prefetch_threshold=8,
-        **kw,
-    )
-
-
 @pytest.mark.parametrize("slow", ["exists_prefix", "get_into"])
 def test_a_store_slower_than_the_deadline_is_storage_timeout(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow: str
 ) -> None:
     tokens = prompt(41, seed=10)
-    writer = make_l3_engine(tiny_llama_dir, tmp_path)
+    writer = make_engine(tiny_llama_dir, tmp_path)
     run(writer, tokens)
     writer.close()  # every page is in the store
-    release = threading.Event()
-    original = getattr(FileStore, slow)
-
-    def stalled(self: FileStore, *args: object) -> object:
-        release.wait(timeout=60)  # far past best_effort's 0.1 s
-        return original(self, *args)
-
-    monkeypatch.setattr(FileStore, slow, stalled)
-    reader = make_l3_engine(tiny_llama_dir, tmp_path, hicache_storage_prefetch_policy="best_effort")
+    release = stall_file_store(monkeypatch, slow)
+    reader = make_engine(tiny_llama_dir, tmp_path, hicache_storage_prefetch_policy="best_effort")
     out = run(reader, tokens)
     assert out.cached_tokens == 0
     assert reasons(out) == {"storage_timeout": 40, "below_page": 1}
@@ -168,10 +146,10 @@ def test_a_restart_reads_from_the_store_and_misses_nothing_else(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     tokens = prompt(41, seed=11)
-    writer = make_l3_engine(tiny_llama_dir, tmp_path)
+    writer = make_engine(tiny_llama_dir, tmp_path)
     run(writer, tokens)
     writer.close()
-    reader = make_l3_engine(tiny_llama_dir, tmp_path)
+    reader = make_engine(tiny_llama_dir, tmp_path)
     out = run(reader, tokens)
     assert out.cached_tokens_storage == 40 and reasons(out) == {"below_page": 1}
     reader.close()
