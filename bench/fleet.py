@@ -50,6 +50,17 @@ FAST_ROUTER_FLAGS = (
     "--load-monitor-interval",
     "1",
 )
+# The routing thresholds docker-compose.yml and the Kubernetes router ship beside
+# cache_aware (docs/fleet.md, "Affinity and balance"): two requests more on one replica
+# than on the other, and 1.3x its load, send the next request to the less loaded one.
+SHIPPED_BALANCE_FLAGS = (
+    "--cache-threshold",
+    "0.3",
+    "--balance-abs-threshold",
+    "1",
+    "--balance-rel-threshold",
+    "1.3",
+)
 # What docker-compose.yml and the Kubernetes router ship for a replica's death
 # (docs/fleet.md, "When a replica dies"; tests/container checks they agree): a refused
 # request is retried on a live replica, the breaker drops a replica after 2 failures

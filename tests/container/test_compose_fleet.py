@@ -226,13 +226,15 @@ def test_a_replica_can_take_several_gpus_with_tp(raw: dict[str, Any]) -> None:
 
 def test_the_fault_test_runs_what_compose_ships(services: dict[str, Any]) -> None:
     """tests/integration/test_fleet_faults.py starts smg with bench.fleet's
-    SHIPPED_FAULT_FLAGS: they must be the compose router's own values."""
-    from bench.fleet import SHIPPED_FAULT_FLAGS
+    SHIPPED_BALANCE_FLAGS and SHIPPED_FAULT_FLAGS: they must be the compose router's own
+    values."""
+    from bench.fleet import SHIPPED_BALANCE_FLAGS, SHIPPED_FAULT_FLAGS
     from tests.container.compose_file import parse_router
 
-    tested = parse_router(["--worker-urls", "http://x:8000", *SHIPPED_FAULT_FLAGS])
+    flags = (*SHIPPED_BALANCE_FLAGS, *SHIPPED_FAULT_FLAGS)
+    tested = parse_router(["--worker-urls", "http://x:8000", *flags])
     shipped = router_args(services["fleet-router"], api_key="k")
-    names = {flag.lstrip("-").replace("-", "_") for flag in SHIPPED_FAULT_FLAGS[::2]}
-    assert len(names) == len(SHIPPED_FAULT_FLAGS) // 2
+    names = {flag.lstrip("-").replace("-", "_") for flag in flags[::2]}
+    assert len(names) == len(flags) // 2
     for name in names:
         assert getattr(tested, name) == getattr(shipped, name), name

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from bench.fleet import FAST_ROUTER_FLAGS, SHIPPED_FAULT_FLAGS, LocalFleet
+from bench.fleet import FAST_ROUTER_FLAGS, SHIPPED_BALANCE_FLAGS, SHIPPED_FAULT_FLAGS, LocalFleet
 from tests.integration.fleet_client import WORKER_HEADER, auth, replica_loads, wait_until
 
 # Two replica starts (one a restart) on a loaded 2-core machine: more than the default 600 s.
@@ -27,8 +28,9 @@ SERVER_ARGS = (
     "--model", "default", "--device", "cpu", "--dtype", "float32",
     "--kv-cache-tokens", "2048", "--max-running-requests", "8",
 )  # fmt: skip
-# The shipped fault settings; from the test fleet's fast flags only the load polling.
-ROUTER_ARGS = (*SHIPPED_FAULT_FLAGS, *FAST_ROUTER_FLAGS[-2:])
+# The shipped balance and fault settings; from the test fleet's fast flags only the load
+# polling.
+ROUTER_ARGS = (*SHIPPED_BALANCE_FLAGS, *SHIPPED_FAULT_FLAGS, *FAST_ROUTER_FLAGS[-2:])
 IN_FLIGHT_DEADLINE = 5.0  # seconds from the kill within which a failed request ended
 AFTER_KILL = 12  # requests sent after the kill, one a second: past the health check
 
@@ -161,21 +163,24 @@ def test_a_replica_killed_under_load_costs_no_later_request(fleet: LocalFleet) -
     fleet.wait_healthy({victim_url, survivor_url}, timeout=120)
 
     def victim_serves() -> bool:
-        """Three requests at once (min-load spreads them); all must succeed."""
+        """Four requests at once; all must succeed. Each prompt starts with fresh random
+        text, so no replica's prefix tree matches it (an earlier round's prompts would
+        pull the next round to the same replica), and past the shipped balance threshold
+        (2 more in flight) cache_aware sends the rest to the less loaded replica."""
         done: list[Outcome] = []
         threads = [
             threading.Thread(
                 target=lambda n=n: done.append(
-                    _complete(fleet, model, f"Back {n} {time.time_ns()}: say hi.", False, 2)
+                    _complete(fleet, model, f"{uuid.uuid4().hex} back {n}: say hi.", False, 2)
                 )
             )
-            for n in range(3)
+            for n in range(4)
         ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(300)
-        assert len(done) == 3 and all(o.error is None for o in done), done
+        assert len(done) == 4 and all(o.error is None for o in done), done
         return any(o.worker == victim_url for o in done)
 
-    assert wait_until(victim_serves, timeout=60), "the restarted replica gets no traffic"
+    assert wait_until(victim_serves, timeout=120), "the restarted replica gets no traffic"
