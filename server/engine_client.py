@@ -126,10 +126,6 @@ class EngineClient:
         return int(self.engine.vocab_size)
 
     @property
-    def max_stop_token_ids(self) -> int:
-        return int(getattr(self.engine.config, "max_stop_token_ids", 256))
-
-    @property
     def max_grammar_choices(self) -> int:
         return int(getattr(self.engine.config, "max_grammar_choices", 8))
 

@@ -31,6 +31,7 @@ TOP = {
     "runner",
     "scoring_cost",
     "stats",
+    "trace_cost",
     "weights",
     "whatif",
     "whatif_grid",
