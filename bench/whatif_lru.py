@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
+from engine.kvcache.evicted_pages import EvictedPages
 from engine.kvcache.hicache import HiRadixCache
 from engine.kvcache.radix_cache import RadixCache
 from engine.kvcache.tree_node import TreeNode
@@ -23,11 +24,20 @@ from engine.kvcache.tree_node import TreeNode
 _Heap = list[tuple[float, int, TreeNode]]
 
 
+class _NoEvictionRecord(EvictedPages):
+    """The replay reports no miss reasons: dropped pages need not be digested (the
+    record only ever feeds miss reasons, never a choice of the tree)."""
+
+    def record(self, node: TreeNode, page_size: int) -> None:
+        return None
+
+
 class IndexedRadixCache(RadixCache):
     """RadixCache whose device LRU leaves are kept in a heap (see the module docstring)."""
 
     def reset(self) -> None:
         super().reset()
+        self.evicted_pages = _NoEvictionRecord(1)
         self._device_heap: _Heap = []
         self.rescans = 0  # full walks after the heap ran dry (0 when nothing was missed)
         self.verify = False  # tests: walk the tree when the host heap runs dry

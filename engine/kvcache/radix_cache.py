@@ -204,7 +204,14 @@ class RadixCache(PrefixTree):
             stack.extend(node.children.values())
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        return node.on_device and not any(c.on_device for c in node.children.values())
+        if node.value is None:
+            return False
+        # A plain loop, not any() over a generator: a document node may have hundreds
+        # of host-only children, and eviction asks this of every candidate.
+        for child in node.children.values():  # noqa: SIM110 (all() is the slow form)
+            if child.value is not None:
+                return False
+        return True
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens from unlocked leaves, LRU first."""
