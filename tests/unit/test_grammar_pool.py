@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import string
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import xgrammar as xgr
 
 from engine.grammar import build_tokenizer_info
-from engine.grammar_pool import CompilePool
+from engine.grammar_pool import COMPILE_NICENESS, CompilePool
 from engine.grammar_spec import GrammarError, GrammarSpec
 
 # Four long strings of distinct lengths: about 9 s to compile on SmolLM2's 49K vocabulary.
@@ -61,6 +62,17 @@ def test_a_timed_out_compile_is_killed_and_frees_its_worker(real_info: Any) -> N
         assert pool.submit(SLOW) is not slow
     finally:
         pool.close()
+
+
+def test_compile_workers_run_nicer_than_the_server(toy_pool: CompilePool) -> None:
+    """A long compile must not take the engine thread's CPU: the workers are reniced."""
+    toy_pool.submit(CHOICE).result(timeout=120)  # the worker is up and has compiled
+    (child,) = toy_pool._children
+    assert child is not None
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    worker = os.getpriority(os.PRIO_PROCESS, child.process.pid)
+    assert worker == min(own + COMPILE_NICENESS, 19)
+    assert own == 19 or worker > own
 
 
 def test_the_cache_is_bounded_in_bytes(toy_pool: CompilePool) -> None:
