@@ -1,5 +1,5 @@
-"""Replay issue 25's grammar and output-size attacks against a running server, with a
-canary measuring what each costs everyone else.
+"""Replay issue 25's grammar and output-size attacks, and its streams that are never
+read, against a running server, with a canary measuring what each costs everyone else.
 
     python -m bench.grammar_abuse --base-url http://127.0.0.1:8000 [--api-key KEY]
 
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -136,6 +138,36 @@ def long_stops(t: Target) -> list[int]:
     return [t.post("/v1/completions", body)]
 
 
+def idle_streams(t: Target, count: int = 80, hold_s: float = 30.0) -> list[int]:
+    """80 streams of 3,000 tokens whose clients never read (the canary waited 46 s before
+    the send timeout): raw sockets with a 1 KiB receive buffer, held ``hold_s`` seconds
+    (past the default 15 s --send-timeout once the buffers are full), then closed. No
+    reply is read, so there are no statuses; the canary and /health tell the cost."""
+    url = urllib.parse.urlsplit(t.base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    body = json.dumps(
+        {"prompt": "Tell a long story.", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    ).encode()
+    auth = f"Authorization: Bearer {t.api_key}\r\n" if t.api_key else ""
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{auth}\r\n"
+    ).encode()
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.connect((host, port))
+            sock.sendall(head + body)
+            sockets.append(sock)
+        time.sleep(hold_s)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return []
+
+
 ATTACKS: dict[str, Attack] = {
     "quiet": lambda t: [],
     "deep_schema": deep_schema,
@@ -143,6 +175,7 @@ ATTACKS: dict[str, Attack] = {
     "slow_compiles": slow_compiles,
     "logprob_flood": logprob_flood,
     "long_stops": long_stops,
+    "idle_streams": idle_streams,
 }
 
 
