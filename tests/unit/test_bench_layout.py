@@ -31,6 +31,7 @@ TOP = {
     "runner",
     "scoring_cost",
     "stats",
+    "synthetic_gguf",
     "trace_cost",
     "weights",
     "whatif",
