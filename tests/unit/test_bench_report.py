@@ -32,6 +32,11 @@ STAT_KEYS = {"mean", "p50", "p90", "p99"}
 TOP_KEYS = {
     "cache_hit_rate", "ideal_hit_rate", "output_throughput", "request_throughput", "ttft", "itl",
 }  # fmt: skip
+# `python -m bench ARGS` with SIGINT raising KeyboardInterrupt, whatever was inherited.
+WITH_CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'bench'; runpy.run_module('bench', run_name='__main__', alter_sys=True)"
+)
 SMALL = ["--workload", "multiturn", "--num-clients", "3", "--num-rounds", "3",
          "--user-turn-len", "20", "--assistant-turn-len", "5", "--output-len", "4",
          "--system-prompt-len", "6", "--seed", "5"]  # fmt: skip
@@ -326,7 +331,10 @@ def test_interrupt_writes_partial_results(fake: tuple[str, FakeState], tmp_path:
     state.mode = "slow"  # 0.3 s per token: 1.2 s per request
     out = tmp_path / "r.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "bench", "run", "--base-url", url, *SMALL,
+    # NOTE: a process started in the background by a shell without job control (nohup,
+    # `cmd &` in a script, some CI runners) inherits SIGINT ignored, and so would the
+    # tool; it is started with Python's own Ctrl-C handler, as an interactive run has it.
+    cmd = [sys.executable, "-c", WITH_CTRL_C, "run", "--base-url", url, *SMALL,
            "--max-concurrency", "1", "--json", str(out), "--no-progress"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
