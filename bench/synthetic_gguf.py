@@ -93,7 +93,7 @@ def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], bo
     return plan
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> int:
+def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> int:
     """Copy every ``tokenizer.*`` key of ``source``; returns the vocabulary size."""
     reader = gguf.GGUFReader(str(source))
     vocab = 0
@@ -116,7 +116,7 @@ def write_synthetic_gguf(
     """Write the synthetic model to ``path`` and return it."""
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     writer.add_name(name)
-    vocab = _copy_tokenizer(writer, tokenizer_gguf)
+    vocab = copy_tokenizer(writer, tokenizer_gguf)
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)

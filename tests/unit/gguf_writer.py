@@ -12,6 +12,8 @@ import gguf
 import numpy as np
 import torch
 
+from bench.synthetic_gguf import copy_tokenizer
+
 # HF model_type -> GGUF architecture.
 GGUF_ARCH = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
@@ -23,16 +25,6 @@ GGUF_ARCH = {
 }
 # GGUF tensor name -> ggml type to store it in, or None for float32.
 QuantChoice = Callable[[str], "int | None"]
-
-
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
-    reader = gguf.GGUFReader(str(source))
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        kind = field.types[0]
-        sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), kind, sub)
 
 
 def _metadata(writer: gguf.GGUFWriter, config: Any) -> None:
@@ -85,7 +77,7 @@ def write_gguf(
     arch = GGUF_ARCH[config.model_type]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _metadata(writer, config)
-    _copy_tokenizer(writer, tokenizer_gguf)
+    copy_tokenizer(writer, tokenizer_gguf)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     gemma = config.model_type.startswith("gemma")
     for hf_name, tensor in model.state_dict().items():
