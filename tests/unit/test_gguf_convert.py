@@ -1,0 +1,94 @@
+"""The streamed GGUF conversion (engine/gguf_convert.py) against transformers' own
+``from_pretrained(gguf_file=...)``, and the packed layout against the full one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import gguf_convert
+from engine.loader import default_gguf_path, iter_safetensors, load_model, resolve_model_path
+from engine.model_files import safetensors_files
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model as transformers converts it, every tensor in memory at once."""
+    out = tmp_path_factory.mktemp("whole")
+    gguf_convert._convert_whole(default_gguf_path(), out)
+    return out
+
+
+@pytest.mark.slow  # two conversions of the default model, ~40 s
+def test_streamed_conversion_equals_transformers_from_pretrained(
+    reference_dir: Path, default_model_dir: Path
+) -> None:
+    want = load_file(str(reference_dir / "model.safetensors"))
+    got = dict(iter_safetensors(default_model_dir))
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], tensor), name
+    for file in ("config.json", "generation_config.json"):
+        ref = json.loads((reference_dir / file).read_text())
+        ours = json.loads((default_model_dir / file).read_text())
+        ref.pop("transformers_version", None)
+        ours.pop("transformers_version", None)
+        assert ours == ref, file
+
+
+@pytest.mark.slow
+def test_small_shards_and_their_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_model_dir: Path
+) -> None:
+    monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 50 << 20)
+    gguf_convert.convert_gguf(default_gguf_path(), tmp_path)
+    files = safetensors_files(tmp_path)
+    assert len(files) > 5  # 538 MB of float32 in shards of >= 50 MB
+    index = json.loads((tmp_path / gguf_convert.INDEX_FILE).read_text())
+    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * 4 for _, t in iter_safetensors(default_model_dir)
+    )
+    want = dict(iter_safetensors(default_model_dir))
+    got = dict(iter_safetensors(tmp_path))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_packed_layout_keeps_no_dense_copy_of_packable_tensors(default_model_dir: Path) -> None:
+    packed_dir = resolve_model_path("default", packed=True)
+    assert packed_dir != default_model_dir and gguf_convert.is_packed_layout(packed_dir)
+    dense_bytes = sum(f.stat().st_size for f in safetensors_files(packed_dir))
+    assert dense_bytes < 1e6  # the norms: 211 Q4_1/Q8_0 tensors left out, of 538 MB
+    heads = gguf_convert.packed_heads(packed_dir)
+    names = gguf_convert.packed_gguf_names(packed_dir)
+    full = dict(iter_safetensors(default_model_dir))
+    assert len(heads) == len(names) == 211
+    for name, head in heads.items():
+        # The first columns as the full conversion has them (q/k rows un-permuted).
+        assert head.shape == (full[name].shape[0], gguf_convert.HEAD_COLS)
+        assert torch.equal(head, full[name][:, : gguf_convert.HEAD_COLS]), name
+    for name, tensor in gguf_convert.dense_from_gguf(default_gguf_path(), names):
+        assert torch.equal(tensor, full[name]), name
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_packed_layout_loads_dense_when_packing_is_off(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed_dir = resolve_model_path("default", packed=True)
+    monkeypatch.setenv("HISERVE_GGUF_PACKED", "0")
+    cpu = torch.device("cpu")
+    got = load_model(packed_dir, cpu, torch.float32, "torch", gguf_path=default_gguf_path())
+    want = load_model(default_model_dir, cpu, torch.float32, "torch")
+    want_state = want.state_dict()
+    for name, tensor in got.state_dict().items():
+        assert torch.equal(tensor, want_state[name]), name
+    with pytest.raises(ValueError, match="load it with its GGUF file"):
+        load_model(packed_dir, cpu, torch.float32, "torch")
