@@ -20,6 +20,7 @@ from engine import dtypes, loader, platform
 from engine.config import EngineConfig
 from engine.future_tokens import FutureTokens
 from engine.grammar import EngineGrammars
+from engine.heap import trim_heap
 from engine.graph_runner import DecodeGraphRunner, build_decode_graphs
 from engine.kv_setup import KVSetup, build_kv
 from engine.kvcache.transfer import KVTransfer, TransferFactory
@@ -76,11 +77,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # Tensor parallel: workers start now and load their shards while rank 0 does.
     tp = TPRuntime(config, device_spec, model_path) if config.tensor_parallel_size > 1 else None
     try:
-        return _build_on(config, device_spec, model_path, tp, weights)
+        parts = _build_on(config, device_spec, model_path, tp, weights)
     except BaseException:
         if tp is not None:
             tp.stop(graceful=False)
         raise
+    trim_heap()  # what loading freed goes back to the OS
+    return parts
 
 
 def _build_on(

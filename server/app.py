@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
+from engine.heap import trim_heap
 from server.args import ServerArgs
 from server.cache_report import CacheReport
 from server.engine_client import RETRY_AFTER_DEAD, EngineClient
@@ -118,6 +119,7 @@ def create_app(
                 cache_salt_from_key=args.cache_salt_from_key,
             )
             print(summary_line(args, engine.health()), flush=True)
+            trim_heap()  # start-up's freed buffers back to the OS before serving
             watch = getattr(engine, "watch_fatal", None)
             if watch is not None:
                 watch(lambda exc: loop.call_soon_threadsafe(died, exc))
