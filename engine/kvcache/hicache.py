@@ -271,6 +271,8 @@ class HiRadixCache(RadixCache):
         for node in path:
             n = len(node.key)
             node.value = device_slots[offset : offset + n].clone()
+            assert node.parent is not None
+            node.parent.device_children += 1
             offset += n
             self.cached_tokens += n
             if node.lock_ref > 0:

@@ -129,6 +129,8 @@ class RadixCache(PrefixTree):
         child.value = child.value[at:] if child.value is not None else None
         child.host_value = child.host_value[at:] if child.host_value is not None else None
         child.parent = upper
+        # upper takes child's place in parent.children with the same device state
+        upper.device_children = 1 if child.value is not None else 0
         upper.children[self._node_key(child)] = child
         parent.children[self._node_key(upper)] = upper
         return upper
@@ -152,6 +154,7 @@ class RadixCache(PrefixTree):
                 new = TreeNode(key[pos:], slots[pos:].clone(), node, salt)
                 new.last_access = now
                 node.children[self._node_key(new)] = new
+                node.device_children += 1
                 self.cached_tokens += len(new.key)
                 self._on_insert_node(new)
                 return already
@@ -164,6 +167,7 @@ class RadixCache(PrefixTree):
             else:
                 # Host-only node: the request recomputed it; adopt the request's slots.
                 child.value = slots[pos : pos + matched].clone()
+                node.device_children += 1
                 self.cached_tokens += matched
                 if child.lock_ref > 0:
                     self.protected_tokens += matched
@@ -204,14 +208,13 @@ class RadixCache(PrefixTree):
             stack.extend(node.children.values())
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        if node.value is None:
-            return False
-        # A plain loop, not any() over a generator: a document node may have hundreds
-        # of host-only children, and eviction asks this of every candidate.
-        for child in node.children.values():  # noqa: SIM110 (all() is the slow form)
-            if child.value is not None:
-                return False
-        return True
+        return node.value is not None and node.device_children == 0
+
+    def check_device_children(self) -> None:
+        """Raise AssertionError if a node's ``device_children`` is not a recount (tests)."""
+        for node in [self.root, *self.nodes()]:
+            count = sum(1 for c in node.children.values() if c.value is not None)
+            assert node.device_children == count, (node.id, node.device_children, count)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens from unlocked leaves, LRU first."""
@@ -241,6 +244,8 @@ class RadixCache(PrefixTree):
         self._before_device_evict(node)
         self.allocator.free(node.value)
         node.value = None
+        assert node.parent is not None
+        node.parent.device_children -= 1
         self.cached_tokens -= n
         if not self._keep_on_host(node):
             self._delete(node)
@@ -255,6 +260,7 @@ class RadixCache(PrefixTree):
 
     def _delete(self, node: TreeNode) -> None:
         assert not node.children and node.parent is not None
+        assert node.value is None, "device slots are dropped first (parent's device_children)"
         self.evicted_pages.record(node, self.page_size)
         del node.parent.children[self._node_key(node)]
         node.parent = None

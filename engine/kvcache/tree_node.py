@@ -20,10 +20,15 @@ class TreeNode:
     (engine/kvcache/evicted_pages.py).
     ``salt``: digest of the cache_salt of the requests that made it ("" without one);
     every node of a subtree below the root has its root-level ancestor's salt.
+    ``device_children``: how many of ``children`` have a ``value`` (kept by the tree
+    wherever a child gains or loses device slots, or joins or leaves ``children``), so
+    the device-leaf test is O(1) where a document node has hundreds of host-only
+    children.
     """
 
     __slots__ = (
         "children",
+        "device_children",
         "digest",
         "hit_count",
         "host_value",
@@ -54,6 +59,7 @@ class TreeNode:
         # first page of the child's key -> child; below the root a salted child's entry
         # is (salt, *page) instead (RadixCache._child_key)
         self.children: dict[tuple[int | str, ...], TreeNode] = {}
+        self.device_children = 0
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.hit_count = 0

@@ -54,6 +54,7 @@ def check_kv_contents(manager: KVCacheManager, req: Req) -> None:
 
 def check_shape(tree: HiRadixCache) -> None:
     tree.check_host_invariants()
+    tree.check_device_children()
     for node in tree.nodes():
         if node.value is not None:
             assert node.parent is tree.root or node.parent.value is not None

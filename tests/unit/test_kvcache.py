@@ -59,6 +59,7 @@ def check_tree_shape(tree: RadixCache) -> None:
         for child in node.children.values():
             assert child.lock_ref <= node.lock_ref
     assert protected == tree.protected_tokens
+    tree.check_device_children()
 
 
 def test_allocator_pages_and_reserved_page():

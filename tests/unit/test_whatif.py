@@ -56,6 +56,7 @@ def test_indexed_trees_choose_the_same_victims(workload, shares, running) -> Non
     result = indexed.run(records)
     assert result.per_request == plain.per_request
     assert indexed.tree.rescans == 0  # type: ignore[attr-defined]  # no victim missed
+    indexed.tree.check_device_children()  # the maintained counts equal a recount
     assert indexed.tree.evicted_device_tokens > 0  # the victims were chosen, and compared
     if host:  # the host tier's victims, or its hits, were compared too
         evicted_host = indexed.tree.counters["evicted_host_tokens_total"]  # type: ignore[attr-defined]
