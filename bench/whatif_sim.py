@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.whatif_lru import IndexedHiRadixCache, IndexedRadixCache
+from bench.whatif_slots import slot_run
 from engine.cache_trace import TraceRecord
 from engine.kvcache.allocator import OutOfSlotsError, PageAllocator
 from engine.kvcache.device_pool import DeviceKVPool
@@ -78,13 +79,13 @@ class SimResult:
 
 class CountingAllocator(PageAllocator):
     """A device allocator that counts free pages instead of tracking which are free:
-    the replay never reads KV, so every page handed out may be the same zero slot."""
+    the replay never reads KV, so the pages it hands out are slot runs (a length:
+    bench/whatif_slots.py)."""
 
     def __init__(self, num_pages: int) -> None:
         super().__init__(1, 1)
         self.num_pages = num_pages
         self._num_free = num_pages
-        self._zeros = torch.zeros(num_pages, dtype=torch.int64)
 
     @property
     def free_pages(self) -> int:
@@ -98,7 +99,7 @@ class CountingAllocator(PageAllocator):
         if num_pages > self._num_free:
             raise OutOfSlotsError(f"asked for {num_pages} pages, {self._num_free} free")
         self._num_free -= num_pages
-        return self._zeros[:num_pages]
+        return slot_run(num_pages)
 
     def free(self, slots: torch.Tensor) -> None:
         self._num_free += int(slots.numel())
@@ -106,13 +107,13 @@ class CountingAllocator(PageAllocator):
 
 
 class CountingHostPool(HostKVPool):
-    """A host tier of ``capacity`` pages that only counts them (no buffer, no copies)."""
+    """A host tier of ``capacity`` pages that only counts them (no buffer, no copies;
+    its slots are slot runs, as the device allocator's)."""
 
     def __init__(self, num_pages: int) -> None:  # no super().__init__: nothing to allocate
         self.num_pages = self.capacity = num_pages
         self.page_size = 1
         self._num_free = num_pages
-        self._zeros = torch.zeros(num_pages, dtype=torch.int64)
 
     @property
     def available(self) -> int:
@@ -122,7 +123,7 @@ class CountingHostPool(HostKVPool):
         if num_tokens > self._num_free:
             return None
         self._num_free -= num_tokens
-        return self._zeros[:num_tokens]
+        return slot_run(num_tokens)
 
     def free(self, slots: torch.Tensor) -> None:
         self._num_free += int(slots.numel())
@@ -150,7 +151,9 @@ class _InstantTransfer(KVTransfer):
 
 def build_tree(config: SimConfig, indexed: bool = True) -> tuple[RadixCache, PageAllocator]:
     """The real tree (HiCache when there is a host tier) over pools of zero bytes;
-    ``indexed``: its LRU victims kept in heaps (bench/whatif_lru.py), same choices."""
+    ``indexed``: its LRU victims kept in heaps (bench/whatif_lru.py) and its pools
+    counting slot runs (bench/whatif_slots.py), with the same choices; else the
+    engine's own trees and pools over real slot tensors."""
     device_pages = max(config.device_tokens // config.page_size, 1)
     allocator: PageAllocator = (
         CountingAllocator(device_pages) if indexed else PageAllocator(device_pages, 1)
