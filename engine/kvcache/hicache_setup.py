@@ -17,7 +17,7 @@ from engine.kvcache.storage import KVNamespace, make_store, model_digest
 from engine.kvcache.storage.page_seal import load_secret
 from engine.kvcache.storage.tier import StorageTier
 from engine.kvcache.transfer import KVTransfer, TransferFactory
-from engine.model_files import default_cache_dir
+from engine.model_files import default_cache_dir, gguf_file_of
 
 logger = logging.getLogger("hiserve.hicache")
 
@@ -26,6 +26,15 @@ def digest_cache(config: EngineConfig) -> Path:
     """Where checkpoint digests are kept between starts (see ``keys.model_digest``)."""
     base = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     return base / "checkpoint-digests.json"
+
+
+def checkpoint_identity(config: EngineConfig, model_path: Path | None, weights_tag: str) -> str:
+    """The digest of every byte the weights come from (part of the L3 namespace)."""
+    if model_path is None:
+        return hashlib.sha256(config.model.encode()).hexdigest()
+    # Packed GGUF weights are read from the GGUF itself: it is part of the checkpoint.
+    gguf = gguf_file_of(config.model) if weights_tag == "packed-gguf" else None
+    return model_digest(model_path, digest_cache(config), (gguf,) if gguf is not None else ())
 
 
 def build_storage(
@@ -48,13 +57,8 @@ def build_storage(
     )
     if store is None:
         return None
-    identity = (
-        model_digest(model_path, digest_cache(config))
-        if model_path is not None
-        else hashlib.sha256(config.model.encode()).hexdigest()
-    )
     namespace = KVNamespace(
-        identity,
+        checkpoint_identity(config, model_path, weights_tag),
         str(host_pool.dtype).removeprefix("torch."),
         host_pool.layout,
         host_pool.page_size,

@@ -29,6 +29,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.grammar_spec": 0,
     "engine.detokenizer": 0,
     "engine.model_files": 0,
+    "engine.heap": 0,
     "engine.errors": 0,
     "engine.cache_salt": 0,
     "engine.request": 1,
@@ -44,6 +45,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.scheduler": 3,
     "engine.kv_setup": 3,
     "engine.models": 4,
+    "engine.gguf_convert": 4,  # uses the packed kernel's type table (engine.layers)
     "engine.penalties": 2,
     "engine.sampler": 4,
     "engine.future_tokens": 4,

