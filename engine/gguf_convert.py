@@ -73,6 +73,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, packed: bool = False) -> None:
     if processor is None:
         logger.info("%s: this family converts in one piece (transformers' reader)", name)
         _convert_whole(gguf_path, out_dir)
+        if packed:  # a packed layout whose every tensor is also dense: no first columns
+            _save_heads(out_dir, {}, {})
         return
     config.architectures = [type(skeleton).__name__]
     config.dtype = torch.float32
@@ -158,7 +160,6 @@ def _stream_tensors(
     packed: bool,
 ) -> None:
     import gguf
-    from safetensors.torch import save_file
 
     shards = _ShardWriter(out_dir)
     heads: dict[str, torch.Tensor] = {}
@@ -183,7 +184,13 @@ def _stream_tensors(
         shards.add(hf_name, _to_torch(weights))
     shards.close()
     if packed:
-        save_file(heads, str(out_dir / HEADS_FILE), metadata={"format": "pt", **head_names})
+        _save_heads(out_dir, heads, head_names)
+
+
+def _save_heads(out_dir: Path, heads: dict[str, torch.Tensor], names: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(heads, str(out_dir / HEADS_FILE), metadata={"format": "pt", **names})
 
 
 def _to_torch(weights: np.ndarray) -> torch.Tensor:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 
+from engine import loader
 from engine.loader import default_gguf_path, load_hf_config, load_model, resolve_model_path
 from tests.unit.gguf_writer import write_gguf
 from tests.unit.hf_reference import assert_batched_greedy_matches_hf, random_hf_model
@@ -44,9 +45,15 @@ CASES = {
 }
 
 
+def _converted_twice(*args: Any) -> None:
+    raise AssertionError("a complete converted directory was converted again")
+
+
 @pytest.mark.slow  # 20-35 s each on a shared 2-core box: the GGUF tokenizer conversion
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_gguf_of_a_family_matches_hf(name: str, tmp_path: Path) -> None:
+def test_gguf_of_a_family_matches_hf(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = CASES[name]()
     hf_model = random_hf_model(config, seed=3)
     gguf_path = write_gguf(hf_model, tmp_path / f"{name}.gguf", default_gguf_path())
@@ -57,3 +64,15 @@ def test_gguf_of_a_family_matches_hf(name: str, tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (4, 13)]
     assert_batched_greedy_matches_hf(hf_model, model, prompts, MAX_NEW_TOKENS)
+    if name == "qwen3_moe":
+        # A family converted in one piece (stacked experts) still gives a complete
+        # packed layout, reused by the next start, and the same model from it.
+        cache = str(tmp_path / "cache")
+        packed_dir = resolve_model_path(str(gguf_path), cache_dir=cache, packed=True)
+        with monkeypatch.context() as patch:
+            patch.setattr(loader, "convert_gguf", _converted_twice)
+            assert resolve_model_path(str(gguf_path), cache_dir=cache, packed=True) == packed_dir
+        packed = load_model(
+            packed_dir, torch.device("cpu"), torch.float32, "torch", gguf_path=gguf_path
+        )
+        assert_batched_greedy_matches_hf(hf_model, packed, prompts, MAX_NEW_TOKENS)
