@@ -24,7 +24,11 @@ sys.modules["torch_musa"] = None  # type: ignore[assignment]
 def main() -> int:
     from engine.loader import resolve_model_path
 
+    # Both layouts: the full float32 one (GPUs, --dtype float32) and the packed one that
+    # --dtype auto serves on a CPU (its norms and first columns only, about 1 MB), so no
+    # container converts at start.
     print(f"default model ready at {resolve_model_path('default')}")
+    print(f"packed layout ready at {resolve_model_path('default', packed=True)}")
     return 0
 
 
