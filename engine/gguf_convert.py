@@ -77,7 +77,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, packed: bool = False) -> None:
             _save_heads(out_dir, {}, {})
         return
     config.architectures = [type(skeleton).__name__]
-    config.dtype = torch.float32
+    _set_dtype(config, torch.float32)
     config.save_pretrained(str(out_dir))
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -236,6 +236,15 @@ class _ShardWriter:
             weight_map.update(dict.fromkeys(names, final))
         index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
         (self._dir / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+
+def _set_dtype(config: Any, dtype: torch.dtype) -> None:
+    # What from_pretrained(dtype=...) records: `dtype` in transformers 5, `torch_dtype`
+    # before (where an unknown torch.dtype attribute would not serialize).
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    setattr(config, "dtype" if major >= 5 else "torch_dtype", dtype)
 
 
 def _convert_whole(gguf_path: Path, out_dir: Path) -> None:
