@@ -32,7 +32,7 @@ def _cflags(avx512: bool = False) -> list[str]:
     # build cache shared with another machine must still run there).
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma", "-mf16c"]  # F16C: every AVX2 CPU has it
     # Only for a source written for it (``avx512=True``): the others keep their AVX2 build.
     # torch reports AVX512 only where avx512f/bw/vl/dq all exist; 512-bit vectors
     # preferred, or GCC's generic tuning keeps auto-vectorized loops at 256 bits.
