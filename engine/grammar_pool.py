@@ -13,7 +13,6 @@ never kept, so a retry compiles again.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -53,12 +52,6 @@ def worker_main(conn: Any, tokenizer_info_json: str) -> None:
         os.nice(COMPILE_NICENESS)
     except OSError as exc:  # no such thing on this OS: compile at the server's priority
         logger.warning("grammar compile worker keeps the server's priority: %s", exc)
-    # Linux: run only when a core would otherwise idle. Niceness +10 still leaves a
-    # worker about a tenth of a core the engine wants (the canary 2.6 s slower on 2 cores
-    # during two slow compiles, docs/limits.md).
-    if hasattr(os, "SCHED_IDLE"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     try:

@@ -38,6 +38,7 @@ TOP = {
     "whatif_grid",
     "whatif_lru",
     "whatif_sim",
+    "whatif_slots",
     "whatif_speed",
     "words",
     "workloads",

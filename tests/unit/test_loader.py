@@ -22,6 +22,7 @@ from engine.loader import (
     load_tokenizer,
     resolve_model_path,
 )
+from engine.model_files import safetensors_files
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -43,8 +44,9 @@ def _no_conversion(*args: Any, **kwargs: Any) -> None:
 def test_default_is_converted_once_and_reused(
     default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (default_model_dir / name).is_file(), name
+    assert safetensors_files(default_model_dir)  # the weights: shards and their index
     config = json.loads((default_model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in config
