@@ -77,7 +77,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # Tensor parallel: workers start now and load their shards while rank 0 does.
     tp = TPRuntime(config, device_spec, model_path) if config.tensor_parallel_size > 1 else None
     try:
-        parts = _build_on(config, device_spec, model_path, tp, weights)
+        parts = _build_on(config, device_spec, model_path, tp, weights, gguf_file)
     except BaseException:
         if tp is not None:
             tp.stop(graceful=False)
@@ -92,10 +92,10 @@ def _build_on(
     model_path: Path,
     tp: TPRuntime | None,
     weights: dtypes.WeightFormat,
+    gguf_file: Path | None,
 ) -> EngineParts:
     """Model, KV, scheduler, sampler, grammars and runner (this rank's shard under TP)."""
     device = platform.to_torch_device(device_spec)
-    gguf_file = loader.gguf_file_of(config.model)
     dtype = weights.dtype
     hf_config = loader.load_hf_config(model_path)
     tokenizer = loader.load_tokenizer(model_path)

@@ -16,8 +16,8 @@ Two layouts:
   (engine/models/gguf_packed.py), the tensors whose type the packed kernel takes are not
   written dense. ``HEADS_FILE`` holds only the first ``HEAD_COLS`` columns of each, as
   transformers would have converted them (what ``gguf_packed`` compares the file's rows
-  against to find their order), and its metadata names each one's GGUF tensor. A tensor the model ends up not
-  packing is dequantized from the GGUF at load (``dense_from_gguf``).
+  against to find their order), and its metadata names each one's GGUF tensor. A tensor
+  the model ends up not packing is dequantized from the GGUF at load (``dense_weights``).
 
 Families whose tensor processor needs the whole checkpoint at once (MoE experts stacked
 across tensors, fused layouts) are converted with ``from_pretrained`` as before.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from engine.layers.quant_cpu import BF16, PACKED_TYPES
+from engine.model_files import ModelPathError, safetensors_files
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,30 @@ def dense_from_gguf(gguf_path: Path, wanted: dict[str, str]) -> Iterator[tuple[s
     by_name = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
     for hf_name, gguf_name in wanted.items():
         tensor = by_name[gguf_name]
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weights = processor.process(weights=weights, name=gguf_name).weights
-        yield hf_name, _to_torch(weights)
+        yield hf_name, _dequantized(processor, tensor, tensor.data)
+
+
+def dense_weights(
+    model_dir: Path, gguf_path: Path | None, skip: Container[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, float32 tensor)`` for every weight of a converted directory but those
+    in ``skip`` (never read); a packed layout's packable tensors, which it holds only as
+    first columns, are dequantized from ``gguf_path``."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name not in skip:
+                    yield name, fh.get_tensor(name)
+    if not is_packed_layout(model_dir):
+        return
+    if gguf_path is None:
+        raise ModelPathError(
+            f"{model_dir} was converted for packed GGUF weights; load it with its GGUF file"
+        )
+    names = {n: g for n, g in packed_gguf_names(model_dir).items() if n not in skip}
+    yield from dense_from_gguf(gguf_path, names)
 
 
 # ---- internals --------------------------------------------------------------------------
@@ -174,14 +196,10 @@ def _stream_tensors(
             # from it.
             block = PACKED_TYPES[qtype][2]
             first = np.ascontiguousarray(np.asarray(tensor.data)[:, :block])
-            weights = gguf.quants.dequantize(first, tensor.tensor_type)
-            weights = processor.process(weights=weights, name=tensor.name).weights
-            heads[hf_name] = _to_torch(weights[:, :HEAD_COLS])
+            heads[hf_name] = _dequantized(processor, tensor, first)[:, :HEAD_COLS].contiguous()
             head_names[hf_name] = tensor.name
             continue
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weights = processor.process(weights=weights, name=tensor.name).weights
-        shards.add(hf_name, _to_torch(weights))
+        shards.add(hf_name, _dequantized(processor, tensor, tensor.data))
     shards.close()
     if packed:
         _save_heads(out_dir, heads, head_names)
@@ -193,7 +211,13 @@ def _save_heads(out_dir: Path, heads: dict[str, torch.Tensor], names: dict[str, 
     save_file(heads, str(out_dir / HEADS_FILE), metadata={"format": "pt", **names})
 
 
-def _to_torch(weights: np.ndarray) -> torch.Tensor:
+def _dequantized(processor: Any, tensor: Any, data: np.ndarray) -> torch.Tensor:
+    """``data`` (all of GGUF ``tensor``'s bytes, or its first block column) as float32,
+    in transformers' row order."""
+    import gguf
+
+    weights = gguf.quants.dequantize(data, tensor.tensor_type)
+    weights = processor.process(weights=weights, name=tensor.name).weights
     # F32 tensors dequantize to a read-only view of the file's map: copy those only.
     return torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
 

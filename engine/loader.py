@@ -184,19 +184,6 @@ def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
                 yield name, fh.get_tensor(name)
 
 
-def _dense_weights(path: str | os.PathLike[str], gguf_path: Path | None) -> Iterator[Any]:
-    """Every weight of ``path`` dense; a packed layout's packable ones (which it holds
-    only as first columns) are dequantized from ``gguf_path``."""
-    yield from iter_safetensors(path)
-    if gguf_convert.is_packed_layout(Path(path)):
-        if gguf_path is None:
-            raise ModelPathError(
-                f"{path} was converted for packed GGUF weights; load it with its GGUF file"
-            )
-        names = gguf_convert.packed_gguf_names(Path(path))
-        yield from gguf_convert.dense_from_gguf(gguf_path, names)
-
-
 def load_model(
     path: str | os.PathLike[str],
     device: torch.device | str,
@@ -241,9 +228,11 @@ def load_model(
         gguf_packed.finish(model, plan)
     elif tp is not None and sharded:
         slicer = tp_shard.CheckpointSlicer(hf_config, tp)
-        load_named_weights(model, _dense_weights(path, gguf_path), model.map_name, slicer)
+        load_named_weights(
+            model, gguf_convert.dense_weights(Path(path), gguf_path), model.map_name, slicer
+        )
     else:
-        model.load_weights(_dense_weights(path, gguf_path))
+        model.load_weights(gguf_convert.dense_weights(Path(path), gguf_path))
     if bf16_weights and device.type == "cpu":
         from engine.models.bf16_weights import use_bf16_weights
 

@@ -179,21 +179,8 @@ def iter_weights(model_dir: Path, plan: PackedPlan, gguf_path: Path) -> Iterator
     """``(hf_name, tensor)`` of the converted directory, with the planned weights as
     ``QuantTensor`` (their dense copy is never read). In a packed layout
     (``gguf_convert``) a weight left out of the plan is dequantized from the GGUF."""
-    from safetensors import safe_open
-
-    from engine.model_files import safetensors_files
-
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                packed = plan.tensors.get(name)
-                yield name, packed if packed is not None else fh.get_tensor(name)
-    if gguf_convert.is_packed_layout(model_dir):
-        gguf_names = gguf_convert.packed_gguf_names(model_dir)
-        for name in [n for n in gguf_names if n in plan.tensors]:
-            yield name, plan.tensors[name]
-        dense = {n: g for n, g in gguf_names.items() if n not in plan.tensors}
-        yield from gguf_convert.dense_from_gguf(gguf_path, dense)
+    yield from gguf_convert.dense_weights(model_dir, gguf_path, skip=plan.tensors)
+    yield from plan.tensors.items()
 
 
 def _first_block_columns(model_dir: Path) -> Iterator[tuple[str, Any]]:

@@ -24,6 +24,7 @@ from engine.loader import default_gguf_path, load_hf_config, load_model, resolve
 from tests.unit.gguf_writer import write_gguf
 from tests.unit.hf_reference import assert_batched_greedy_matches_hf, random_hf_model
 from tests.unit.model_configs import TOKENIZER_SIZED
+from tests.unit.test_loader import _no_conversion
 
 MAX_NEW_TOKENS = 6
 # The tokenizer copied from the default model's GGUF, whose pad token is its EOS.
@@ -43,10 +44,6 @@ CASES = {
     "gemma3": lambda: Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=8),
     "phi3": lambda: Phi3Config(**_COMMON, tie_word_embeddings=False),
 }
-
-
-def _converted_twice(*args: Any) -> None:
-    raise AssertionError("a complete converted directory was converted again")
 
 
 @pytest.mark.slow  # 20-35 s each on a shared 2-core box: the GGUF tokenizer conversion
@@ -70,7 +67,7 @@ def test_gguf_of_a_family_matches_hf(
         cache = str(tmp_path / "cache")
         packed_dir = resolve_model_path(str(gguf_path), cache_dir=cache, packed=True)
         with monkeypatch.context() as patch:
-            patch.setattr(loader, "convert_gguf", _converted_twice)
+            patch.setattr(loader, "convert_gguf", _no_conversion)
             assert resolve_model_path(str(gguf_path), cache_dir=cache, packed=True) == packed_dir
         packed = load_model(
             packed_dir, torch.device("cpu"), torch.float32, "torch", gguf_path=gguf_path
