@@ -22,7 +22,7 @@ from engine.kv_setup import KVSetup
 from engine.outputs import check_stop, make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
 from engine.sampler import SamplerOutput, make_generator
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 from engine.step_loop import LaunchedStep, OverlapLoop, StepDriver, overlap_enabled
 
 logger = logging.getLogger("hiserve.engine")

@@ -9,7 +9,8 @@ from engine.cache_salt import SALT_BUCKETS, salt_bucket
 from engine.kv_setup import KVSetup
 from engine.kvcache.miss_reasons import MISS_REASONS
 from engine.request import Req
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduled_batch import ScheduledBatch
+from engine.scheduler import Scheduler
 
 logger = logging.getLogger("hiserve.engine")
 
@@ -71,6 +72,7 @@ class EngineStats:
             "running": len(running),
             "waiting": len(self.scheduler.waiting),
             "retractions_total": self.scheduler.num_retractions,
+            "share_preemptions_total": self.scheduler.num_share_preemptions,
             "mixed_steps_total": self.scheduler.num_mixed_steps,
             "evicted_device_tokens_total": manager.tree.evicted_device_tokens,
         }

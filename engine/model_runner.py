@@ -18,7 +18,7 @@ from engine.layers.attention_meta import AttentionMetadata
 from engine.prompt_scoring import score_prompts
 from engine.request import Req
 from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from engine.request import Req, TokenLogprob
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 
 # Logits rows scored at once: bounds the [rows, vocab] float32 temporary (~64 MB).
 SCORE_ELEMENTS = 1 << 24

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from engine.client_share import ClientShare
 from engine.config import SchedulerConfig
 from engine.group_turns import GroupTurns
 from engine.kvcache.allocator import OutOfSlotsError
 from engine.kvcache.manager import KVCacheManager
 from engine.request import Req, ReqStatus
+from engine.scheduled_batch import ScheduledBatch
 
 # Longest-prefix-match ordering is skipped (fcfs used) above this many waiting requests.
 LPM_MAX_WAITING = 128
@@ -41,57 +41,6 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-waiting-requests; the caller should retry later."""
-
-
-@dataclass
-class ScheduledBatch:
-    """One forward pass: sequence b computes tokens ``[starts[b], starts[b]+extend_lens[b])``.
-
-    The first ``num_decodes`` sequences decode one token each; the rest are prefill chunks
-    (a mixed batch has both).
-    """
-
-    num_decodes: int
-    reqs: list[Req]
-    starts: list[int]
-    extend_lens: list[int]
-    out_slots: torch.Tensor  # [sum(extend_lens)] int64
-    sample: list[bool]  # whether sequence b samples a token after this pass
-    retracted: list[Req] = field(default_factory=list)
-    kv_loads: list[Any] = field(default_factory=list)  # host-tier loads to wait for
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_decodes == len(self.reqs)
-
-    @property
-    def is_mixed(self) -> bool:
-        return 0 < self.num_decodes < len(self.reqs)
-
-    @property
-    def prefill_reqs(self) -> list[Req]:
-        return self.reqs[self.num_decodes :]
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.extend_lens[self.num_decodes :])
-
-    @classmethod
-    def merge(cls, decode: ScheduledBatch, prefill: ScheduledBatch) -> ScheduledBatch:
-        """One mixed forward: ``decode``'s sequences first, then ``prefill``'s chunks."""
-        return cls(
-            decode.num_decodes,
-            decode.reqs + prefill.reqs,
-            decode.starts + prefill.starts,
-            decode.extend_lens + prefill.extend_lens,
-            torch.cat([decode.out_slots, prefill.out_slots]),
-            decode.sample + prefill.sample,
-            decode.retracted,
-        )
 
 
 class Scheduler:
@@ -124,10 +73,15 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, holding KV (prefill may be unfinished)
         self.num_retractions = 0
+        self.num_share_preemptions = 0  # retracted to give another client its share
         self.num_mixed_steps = 0  # forwards that held decodes and prefill chunks together
         self.out_of_memory: list[Req] = []  # ended for lack of KV; the engine drains it
         self._last_was_prefill = False
         self._arrivals = 0
+        # Whether the last admission pass stopped at a request for lack of room (running
+        # slots, request rows or KV), not for its prefill budget.
+        self._room_short = False
+        self._share_capacity = config.max_running_requests  # the slots shared out this step
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -212,10 +166,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
+        self._share_slots()
         batch = self._pick_batch()
         if batch is not None:
             batch.kv_loads = self.kv.tree.take_load_handles()
         return batch
+
+    def _startable(self, req: Req) -> bool:
+        """Whether a waiting request could start now (its grammar compiled, no token of
+        it still on the device)."""
+        return (req.grammar is None or req.grammar.ready) and not req.future_ids
+
+    def _share_slots(self) -> None:
+        """When the last admission pass ran out of room (running slots or KV) and another
+        client's request waits, a client over its fair share hands some back
+        (engine/client_share.py). The share is of the requests running now: where KV is
+        short, fewer than ``--max-running-requests`` fit."""
+        # Admission orders the clients by the same share (see _schedule_prefill).
+        self._share_capacity = self.config.max_running_requests
+        if not self.waiting or not self._room_short:
+            return
+        self._share_capacity = max(1, len(self.running))
+        share = ClientShare(self.running, self.waiting, self._share_capacity)
+        needy = [r for r in self.waiting if self._startable(r)]
+        for victim in share.victims(self.running, needy, self._decode_ready):
+            self._retract(victim, for_share=True)
 
     def _pick_batch(self) -> ScheduledBatch | None:
         if self.mixed:
@@ -288,26 +263,36 @@ class Scheduler:
         # Prefills whose prompt pages are not in the tree yet (this batch's included).
         in_flight = [r for r in self.running if self._unlanded(r) > 0]
         admitted: list[Req] = []
-        order = self._ordered_waiting() if admit else []
-        turns = GroupTurns(self.running, self.waiting, self.config.max_running_requests)
+        max_running = self.config.max_running_requests
+        share = ClientShare(self.running, self.waiting, self._share_capacity)
+        order = share.admission_order(self._ordered_waiting()) if admit else []
+        turns = GroupTurns(self.running, self.waiting, max_running)
+        kept_back = 0  # free slots held for requests under their share that wait a step
+        self._room_short = False
         for req in order:
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+            if budget <= 0:
+                break
+            if len(self.running) >= max_running:
+                self._room_short = True
                 break
             if not turns.may_admit(req):
                 continue  # its other copies wait their turn; those behind them go first
-            if req.grammar is not None and not req.grammar.ready:
-                continue  # its grammar is still compiling; it must not hold back others
-            if req.future_ids:
-                continue  # retracted with its last token still on the device
+            if not self._startable(req):
+                continue  # a grammar still compiling must not hold back others
+            if share.keeps_slot_from(req, max_running - len(self.running), kept_back):
+                continue
             if self.kv.req_table.free_rows == 0:
+                self._room_short = True
                 break
             match = self.kv.match(req)
             # A request scoring its prompt computes all of it: waiting would gain nothing.
             waits = in_flight and not req.scoring_prompt
             if waits and self._should_wait(req, match.device_len, in_flight):
+                kept_back += share.under_share(req)
                 continue  # reuse that prefill once it lands; others are not held back
             ready = self.kv.prefetch_ready(req, match)
             if ready is None:
+                kept_back += share.under_share(req)
                 continue  # its L3 prefetch is in flight; others are not held back
             match = ready
             pending = req.seq_len - match.device_len
@@ -323,6 +308,7 @@ class Scheduler:
                 # if its first chunk fits (decode then ends it should the pool fill up).
                 alone = not self.running and not reqs
                 if not (alone and chunk_cost <= self.kv.available_tokens()):
+                    self._room_short = True
                     break
             self.waiting.remove(req)
             self.kv.admit(req, match)  # nothing touched the tree since the match
@@ -332,11 +318,13 @@ class Scheduler:
             except OutOfSlotsError:
                 self.kv.release(req)
                 self.waiting.appendleft(req)
+                self._room_short = True
                 break
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
             turns.admitted(req)
+            share.admitted(req)
             if self._unlanded(req) > 0:
                 in_flight.append(req)
             available -= need
@@ -386,11 +374,15 @@ class Scheduler:
             retracted,
         )
 
-    def _retract(self, req: Req) -> None:
-        """Free ``req``'s KV (cached in the tree) and put it back at the queue head."""
+    def _retract(self, req: Req, for_share: bool = False) -> None:
+        """Free ``req``'s KV (cached in the tree) and put it back at the queue head.
+        ``for_share``: it makes room for another client, not for KV."""
         self.running.remove(req)
         self.kv.release(req)
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
-        self.num_retractions += 1
+        if for_share:
+            self.num_share_preemptions += 1
+        else:
+            self.num_retractions += 1
         self.waiting.appendleft(req)

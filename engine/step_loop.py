@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Protocol
 from engine.config import EngineConfig
 from engine.request import Req
 from engine.sampler import SamplerOutput, has_penalties
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduled_batch import ScheduledBatch
+from engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from engine.request import RequestOutput

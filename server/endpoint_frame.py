@@ -70,6 +70,9 @@ async def serve(endpoint: Endpoint, request: Request, metrics: ServerMetrics) ->
     """Plan, start every choice, then stream the deltas or answer with the whole reply."""
     start = time.perf_counter()
     plan = await endpoint.plan(request)
+    peer = request.client.host if request.client else None
+    for params in plan.params:
+        params.client = peer  # the scheduler's fair share of running slots counts by it
     gen = endpoint.client.generate_many(
         [plan.prompt_of(k) for k in range(plan.num_choices)], plan.params, plan.request_ids()
     )

@@ -70,6 +70,11 @@ _PLAIN_COUNTERS = (
     ("requests_finished_total", "Requests that finished (any reason).", "requests_finished_total"),
     ("retractions_total", "Running requests retracted to free KV.", "retractions_total"),
     (
+        "share_preemptions_total",
+        "Running requests retracted so that another client got its share of running slots.",
+        "share_preemptions_total",
+    ),
+    (
         "mixed_steps_total",
         "Forward passes holding decode tokens and prefill chunks together.",
         "mixed_steps_total",

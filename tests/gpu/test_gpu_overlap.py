@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 from engine.step_loop import LaunchedStep
 from tests.gpu.conftest import VOCAB
 from tests.gpu.test_gpu_engine import engine_for, multiturn, prompts

@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.request import RequestOutput
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 
 
 @dataclass(frozen=True)

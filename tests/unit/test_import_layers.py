@@ -42,6 +42,8 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.grammar": 2,
     "engine.layers": 3,
     "engine.group_turns": 2,
+    "engine.client_share": 2,
+    "engine.scheduled_batch": 2,
     "engine.scheduler": 3,
     "engine.kv_setup": 3,
     "engine.models": 4,
