@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -33,7 +34,32 @@ DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # may take tens of seconds; where cores are few, two workers at the server's priority
 # took the engine thread's CPU (the 8-token canary went from 0.2 s to 2.3 s on 2 cores
 # during two slow compiles), so the scheduler gives them only what the engine leaves.
+# The slot threads that take the compiled grammars in run at the same niceness: reading
+# a big one back (``deserialize_json``, about 0.8 s for a 65 MB grammar, without the GIL)
+# competed with the engine for the cores just as the compile did.
 COMPILE_NICENESS = 10
+
+
+def compile_niceness() -> int:
+    """The niceness of compile work: the calling thread's plus ``COMPILE_NICENESS``."""
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICENESS)
+    except (AttributeError, OSError):  # no priorities on this OS
+        return COMPILE_NICENESS
+
+
+def lower_priority(niceness: int, this_thread: bool) -> None:
+    """Run this process (or only the calling thread) at ``niceness`` if it is nicer than
+    now. Threads have their own niceness on Linux only; elsewhere a thread keeps the
+    server's priority (the id would name a process, not this thread)."""
+    if this_thread and not sys.platform.startswith("linux"):
+        return
+    who = threading.get_native_id() if this_thread else 0
+    try:
+        if os.getpriority(os.PRIO_PROCESS, who) < niceness:
+            os.setpriority(os.PRIO_PROCESS, who, niceness)
+    except (AttributeError, OSError) as exc:  # compile at the server's priority
+        logger.warning("grammar compile work keeps the server's priority: %s", exc)
 
 
 def _compile_in_child(compiler: Any, kind: str, text: str) -> Any:
@@ -44,14 +70,12 @@ def _compile_in_child(compiler: Any, kind: str, text: str) -> Any:
     return compiler.compile_grammar(text)
 
 
-def worker_main(conn: Any, tokenizer_info_json: str) -> None:
-    """A compile worker process: (kind, text) in, ("ok", json) or ("error", message) out."""
+def worker_main(conn: Any, tokenizer_info_json: str, niceness: int) -> None:
+    """A compile worker process: (kind, text) in, ("ok", json) or ("error", message) out.
+    It runs at ``niceness`` (on Linux it inherits that from its slot thread already)."""
     import xgrammar as xgr
 
-    try:
-        os.nice(COMPILE_NICENESS)
-    except OSError as exc:  # no such thing on this OS: compile at the server's priority
-        logger.warning("grammar compile worker keeps the server's priority: %s", exc)
+    lower_priority(niceness, this_thread=False)
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     try:
@@ -70,11 +94,11 @@ def worker_main(conn: Any, tokenizer_info_json: str) -> None:
 class _Child:
     """One worker process and our end of its pipe."""
 
-    def __init__(self, context: Any, tokenizer_info_json: str) -> None:
+    def __init__(self, context: Any, tokenizer_info_json: str, niceness: int) -> None:
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(
             target=worker_main,
-            args=(child_conn, tokenizer_info_json),
+            args=(child_conn, tokenizer_info_json, niceness),
             name="hiserve-grammar-compile",
             daemon=True,
         )
@@ -103,6 +127,7 @@ class CompilePool:
         self.cache_bytes = cache_bytes
         self.start_timeout_s = start_timeout_s
         self._info_json: str = tokenizer_info.serialize_json()
+        self._niceness = compile_niceness()
         # NOTE: spawn, not fork: the parent runs torch and engine threads.
         self._context = multiprocessing.get_context("spawn")
         self._jobs: queue.Queue[tuple[GrammarSpec, Future[Any]] | None] = queue.Queue()
@@ -146,6 +171,7 @@ class CompilePool:
 
     # ------------------------------------------------------------------ slots
     def _run_slot(self, slot: int) -> None:
+        lower_priority(self._niceness, this_thread=True)
         try:
             self._child(slot)  # start the worker now, not on the first request
         except Exception as exc:
@@ -178,7 +204,7 @@ class CompilePool:
     def _child(self, slot: int) -> _Child:
         child = self._children[slot]
         if child is None or not child.process.is_alive():
-            child = _Child(self._context, self._info_json)
+            child = _Child(self._context, self._info_json, self._niceness)
             if not child.conn.poll(self.start_timeout_s):
                 child.kill()
                 raise RuntimeError("the compile worker did not start")

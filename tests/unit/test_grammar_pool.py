@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import string
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,12 @@ def test_compile_workers_run_nicer_than_the_server(toy_pool: CompilePool) -> Non
     worker = os.getpriority(os.PRIO_PROCESS, child.process.pid)
     assert worker == min(own + COMPILE_NICENESS, 19)
     assert own == 19 or worker > own
+    if sys.platform.startswith("linux"):
+        # The slot threads that read compiled grammars back run as nice; this thread not.
+        for slot in toy_pool._slots:
+            assert slot.native_id is not None
+            assert os.getpriority(os.PRIO_PROCESS, slot.native_id) == worker
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
 def test_the_cache_is_bounded_in_bytes(toy_pool: CompilePool) -> None:
