@@ -30,6 +30,9 @@ Attack = Callable[["Target"], list[int]]
 class Target:
     base_url: str
     api_key: str | None
+    # The local address the never-read streams connect from: another client than the
+    # canary's, as an attacker's host would be (the running slots are shared per client).
+    attack_from: str = ""
 
     def post(self, path: str, body: dict[str, object] | str, timeout: float = 300) -> int:
         headers = {"Content-Type": "application/json"}
@@ -141,8 +144,9 @@ def long_stops(t: Target) -> list[int]:
 def idle_streams(t: Target, count: int = 80, hold_s: float = 30.0) -> list[int]:
     """80 streams of 3,000 tokens whose clients never read (the canary waited 46 s before
     the send timeout): raw sockets with a 1 KiB receive buffer, held ``hold_s`` seconds
-    (past the default 15 s --send-timeout once the buffers are full), then closed. No
-    reply is read, so there are no statuses; the canary and /health tell the cost."""
+    (past the default 15 s --send-timeout once the buffers are full), then closed, all
+    from ``t.attack_from`` (another client than the canary). No reply is read, so there
+    are no statuses; the canary and /health tell the cost."""
     url = urllib.parse.urlsplit(t.base_url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
     body = json.dumps(
@@ -158,6 +162,8 @@ def idle_streams(t: Target, count: int = 80, hold_s: float = 30.0) -> list[int]:
         for _ in range(count):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            if t.attack_from:
+                sock.bind((t.attack_from, 0))
             sock.connect((host, port))
             sock.sendall(head + body)
             sockets.append(sock)
@@ -185,8 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--attacks", nargs="+", choices=list(ATTACKS), default=list(ATTACKS))
     parser.add_argument("--quiet-s", type=float, default=5.0, help="length of the baseline")
+    parser.add_argument(
+        "--attack-from",
+        default="127.0.0.2",
+        help="local address idle_streams connects from (another client than the canary; "
+        "the default suits a server on 127.0.0.1; '' for the system's choice)",
+    )
     args = parser.parse_args(argv)
-    target = Target(args.base_url.rstrip("/"), args.api_key)
+    target = Target(args.base_url.rstrip("/"), args.api_key, args.attack_from)
     canary = Canary(target)
     canary.start()
     time.sleep(1.0)
