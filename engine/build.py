@@ -20,7 +20,8 @@ from engine import dtypes, loader, platform
 from engine.config import EngineConfig
 from engine.future_tokens import FutureTokens
 from engine.grammar import EngineGrammars
-from engine.graph_runner import DecodeGraphRunner, build_decode_graphs
+from engine.graph_runner import DecodeGraphRunner
+from engine.graph_setup import build_decode_graphs
 from engine.heap import trim_heap
 from engine.kv_setup import KVSetup, build_kv
 from engine.kvcache.transfer import KVTransfer, TransferFactory

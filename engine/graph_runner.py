@@ -34,14 +34,11 @@ from typing import Any, Protocol
 import torch
 
 from engine import graph_startup, platform
-from engine.config import EngineConfig
 from engine.graph_buckets import MIN_CONTEXT_BUCKET, batch_buckets, bucket_for, context_buckets
 from engine.host_alloc import pinned_empty
-from engine.kv_setup import KVSetup
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
-from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS, SparseMoE
 
 logger = logging.getLogger(__name__)
 
@@ -59,28 +56,6 @@ INPUT_ROWS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")
 PAD_VALUES = (0, 0, 0, 0, 1)
 _OUT_SLOTS_ROW = INPUT_ROWS.index("out_slots")
 _LIST_ROWS = [i for i in range(len(INPUT_ROWS)) if i != _OUT_SLOTS_ROW]
-
-
-def graph_blockers(model: torch.nn.Module, max_batch: int = 1) -> list[str]:
-    """Why a decode step of ``model`` (up to ``max_batch`` rows) cannot be captured
-    (empty: it can).
-
-    Captured work must not read tensor values on the host nor take shapes from per-step
-    Python values; windowed PyTorch attention loops over sequences with their own
-    lengths, and MoE routing past DEVICE_ROUTING_MAX_TOKENS reads the chosen experts back
-    to the host.
-    """
-    reasons: set[str] = set()
-    for module in model.modules():
-        backend = getattr(module, "attn_backend", None)
-        if backend is not None and not getattr(backend, "graph_safe_decode", False):
-            reasons.add(f"attention backend {backend.name!r} sizes its work per sequence")
-        if isinstance(module, SparseMoE) and max_batch > DEVICE_ROUTING_MAX_TOKENS:
-            reasons.add(
-                f"mixture-of-experts routing reads the chosen experts on the host past "
-                f"{DEVICE_ROUTING_MAX_TOKENS} tokens (--cuda-graph-max-bs to stay under it)"
-            )
-    return sorted(reasons)
 
 
 def decode_in_place(model: torch.nn.Module) -> bool:
@@ -344,60 +319,3 @@ class DecodeGraphRunner:
             # reader, a grammar compile) may use the runtime meanwhile.
             options["capture_error_mode"] = "thread_local"
         return options
-
-
-def build_decode_graphs(
-    config: EngineConfig,
-    model: Any,
-    kv: KVSetup,
-    spec: platform.DeviceSpec,
-    device: torch.device,
-) -> DecodeGraphRunner | None:
-    """The engine's decode graph runner, or None (logged) where decode stays eager:
-    turned off, a device without graphs (cpu, mps, npu, xpu), tensor parallelism (not
-    supported yet: ranks would have to replay in lockstep), or a model with work that
-    cannot be captured."""
-    if config.disable_cuda_graph:
-        logger.info("device graphs: off (--disable-cuda-graph)")
-        return None
-    api = platform.graph_api(spec)
-    if api is None:
-        if spec.type != "cpu":
-            logger.info("device graphs: %s has no graph API; decode runs eagerly", spec.type)
-        return None
-    if config.tensor_parallel_size > 1:
-        logger.info(
-            "device graphs: off under tensor parallelism (tp=%d); decode runs eagerly",
-            config.tensor_parallel_size,
-        )
-        return None
-    max_batch = min(
-        config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests
-    )
-    blockers = graph_blockers(model, max_batch)
-    if blockers:
-        logger.warning(
-            "device graphs: off for this model (%s); decode runs eagerly", "; ".join(blockers)
-        )
-        return None
-    runner = DecodeGraphRunner(
-        model, kv.device_pool, kv.req_table, device, max_batch, api=api, spec=spec
-    )
-    if runner.in_place:
-        failure = graph_startup.capture_at_start(runner)
-        if failure is not None:
-            logger.warning("device graphs: off, decode runs eagerly: %s", failure)
-            runner.graphs.clear()
-            return None
-        runner.captured_at_start = True
-        return runner
-    logger.info(
-        "device graphs: on for decode batches up to %d (buckets %s) and contexts up to %d "
-        "(buckets %s); the gather fallback captures lazily, at most %d",
-        runner.max_batch,
-        runner.batch_buckets,
-        runner.context_buckets[-1],
-        runner.context_buckets,
-        runner.max_graphs,
-    )
-    return runner

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams, graph_startup, platform
-from engine.graph_runner import DecodeGraphRunner, build_decode_graphs
+from engine.graph_runner import DecodeGraphRunner
+from engine.graph_setup import build_decode_graphs
 from tests.unit.fake_backends import FakeStreamBackend
 from tests.unit.test_engine import engine_for
 from tests.unit.test_graph_capture import FakeGraph, FakeGraphBackend

@@ -53,6 +53,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.future_tokens": 4,
     "engine.sampler_output": 4,
     "engine.graph_runner": 4,
+    "engine.graph_setup": 4,
     "engine.graph_startup": 4,
     "engine.graph_buckets": 4,
     "engine.prompt_scoring": 4,
