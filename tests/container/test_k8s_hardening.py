@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.container.test_k8s import K8S, OVERLAYS, by_kind, render, render_with
+from tests.container.k8s_render import K8S, OVERLAYS, by_kind, render, render_with
 
 Docs = dict[tuple[str, str], Any]
 OUTSIDER = {"app": "something-else"}

@@ -17,7 +17,7 @@ from engine.host_alloc import pinned_size
 from engine.host_memory import HostMemoryError, available_host_memory, check_host_memory
 from engine.kv_setup import kv_pool_tokens
 from engine.kvcache.sizing import host_tier_tokens
-from tests.container.test_k8s import K8S, by_kind, container, render, render_with, server_config
+from tests.container.k8s_render import K8S, by_kind, container, render, render_with, server_config
 
 GiB = 2**30
 # Cards: S4000 (48 GB) and an 80 GB class card.
