@@ -12,6 +12,7 @@ baseline (no attack) to compare against.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import socket
 import threading
@@ -185,6 +186,18 @@ ATTACKS: dict[str, Attack] = {
 }
 
 
+def _ipv4_loopback(base_url: str) -> bool:
+    """Whether the server is on 127.0.0.0/8, where 127.0.0.2 is another local address."""
+    host = urllib.parse.urlsplit(base_url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name: its address is not known here
+        return False
+    return address.version == 4 and address.is_loopback
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -193,12 +206,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quiet-s", type=float, default=5.0, help="length of the baseline")
     parser.add_argument(
         "--attack-from",
-        default="127.0.0.2",
-        help="local address idle_streams connects from (another client than the canary; "
-        "the default suits a server on 127.0.0.1; '' for the system's choice)",
+        default=None,
+        help="local address idle_streams connects from, another client than the canary "
+        "(default: 127.0.0.2 for a server on a loopback address, else the system's choice)",
     )
     args = parser.parse_args(argv)
-    target = Target(args.base_url.rstrip("/"), args.api_key, args.attack_from)
+    base_url = args.base_url.rstrip("/")
+    attack_from = args.attack_from
+    if attack_from is None:
+        attack_from = "127.0.0.2" if _ipv4_loopback(base_url) else ""
+    target = Target(base_url, args.api_key, attack_from)
     canary = Canary(target)
     canary.start()
     time.sleep(1.0)
