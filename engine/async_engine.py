@@ -92,6 +92,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         # Streams whose reader is behind: request id -> stream (loop thread only).
         self._backlog: dict[str, _Stream] = {}
+        # Requests paused for their reader (Req.reader_behind), until it has taken half of
+        # its queue: request id -> stream (loop thread only).
+        self._paused: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self.join_timeout_s = 10.0
         self._close_lock = threading.Lock()
@@ -166,6 +169,8 @@ class AsyncEngine:
                 self._drain_inbox()
                 if self._backlog:
                     self._flush_backlog()
+                if self._paused:
+                    self._resume_caught_up()
                 if not driver.has_work:
                     self._stats = engine.stats()
                     self._wake.wait(0.05)
@@ -219,12 +224,31 @@ class AsyncEngine:
                 pending = stream.pending
                 stream.pending = out if pending is None else merge_outputs(pending, out)
                 self._backlog[out.request_id] = stream
+                if not out.finished and out.request_id not in self._paused:
+                    self._set_reader_behind(out.request_id, True)
+                    self._paused[out.request_id] = stream
                 continue
             stream.sent += 1
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             # One hop per event loop per step, not one per token.
             loop.call_soon_threadsafe(_put_all, items)
+
+    def _set_reader_behind(self, request_id: str, behind: bool) -> None:
+        setter = getattr(self.engine, "set_reader_behind", None)  # a test's fake has none
+        if setter is not None:
+            setter(request_id, behind)
+
+    def _resume_caught_up(self) -> None:
+        """Let paused requests go on once their reader has taken half of its queue (not
+        at once: a reader slower than the engine would pause it every step)."""
+        limit = self.config.max_queued_outputs
+        for request_id, stream in list(self._paused.items()):
+            if self._streams.get(request_id) is not stream:
+                del self._paused[request_id]  # ended meanwhile
+            elif stream.pending is None and stream.sent - stream.taken <= limit // 2:
+                del self._paused[request_id]
+                self._set_reader_behind(request_id, False)
 
     def _flush_backlog(self) -> None:
         """Hand held-back outputs to readers that caught up; end the requests of readers

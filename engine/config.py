@@ -105,8 +105,9 @@ class SchedulerConfig(CacheConfig):
     # logprobs); about 80 bytes of JSON each.
     max_logprob_entries: int = 1 << 20
     # Outputs a stream may have queued for a reader that is not reading; past that they
-    # are merged into one pending delta, and a reader that stays away for
-    # stream_stall_timeout seconds has its request ended and its KV freed.
+    # are merged into one pending delta and the request pauses until half are read, and
+    # a reader that stays away for stream_stall_timeout seconds has its request ended
+    # and its KV freed.
     max_queued_outputs: int = 64
     stream_stall_timeout: float = 30.0
 

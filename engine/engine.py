@@ -168,6 +168,13 @@ class Engine:
         self._finish(req, FinishReason.ABORT)
         return make_output(req, finished=True)
 
+    def set_reader_behind(self, request_id: str, behind: bool) -> None:
+        """Pause ``request_id`` while its stream's reader is behind (the scheduler retracts
+        it at the next step), or let it go on."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.reader_behind = behind
+
     # ------------------------------------------------------------------ loop
     @property
     def has_work(self) -> bool:

@@ -73,6 +73,7 @@ class EngineStats:
             "waiting": len(self.scheduler.waiting),
             "retractions_total": self.scheduler.num_retractions,
             "share_preemptions_total": self.scheduler.num_share_preemptions,
+            "reader_pauses_total": self.scheduler.num_reader_pauses,
             "mixed_steps_total": self.scheduler.num_mixed_steps,
             "evicted_device_tokens_total": manager.tree.evicted_device_tokens,
         }

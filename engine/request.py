@@ -248,6 +248,9 @@ class Req:
     miss_reasons: MissReasons = field(default_factory=MissReasons)
     reported_cache: bool = False
     num_retractions: int = 0
+    # Its stream's reader is behind (engine/async_engine.py): it is not decoded nor
+    # admitted until the reader catches up; its KV waits in the prefix tree.
+    reader_behind: bool = False
     arrival_seq: int = 0  # order of arrival at the scheduler
     times_passed: int = 0  # prefill steps that admitted a later arrival while this waited
     finish_reason: FinishReason | None = None

@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[Req] = []  # admitted, holding KV (prefill may be unfinished)
         self.num_retractions = 0
         self.num_share_preemptions = 0  # retracted to give another client its share
+        self.num_reader_pauses = 0  # retracted because their stream's reader is behind
         self.num_mixed_steps = 0  # forwards that held decodes and prefill chunks together
         self.out_of_memory: list[Req] = []  # ended for lack of KV; the engine drains it
         self._last_was_prefill = False
@@ -166,6 +167,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
+        self._pause_unread()
         self._share_slots()
         batch = self._pick_batch()
         if batch is not None:
@@ -174,8 +176,15 @@ class Scheduler:
 
     def _startable(self, req: Req) -> bool:
         """Whether a waiting request could start now (its grammar compiled, no token of
-        it still on the device)."""
-        return (req.grammar is None or req.grammar.ready) and not req.future_ids
+        it still on the device, its reader not behind)."""
+        ready = req.grammar is None or req.grammar.ready
+        return ready and not req.future_ids and not req.reader_behind
+
+    def _pause_unread(self) -> None:
+        """Running requests whose reader is behind stop computing tokens nobody reads:
+        retracted (KV kept in the tree), they wait until the reader catches up."""
+        for req in [r for r in self.running if r.reader_behind and self._decode_ready(r)]:
+            self._retract(req, reason="reader")
 
     def _share_slots(self) -> None:
         """When the last admission pass ran out of room (running slots or KV) and another
@@ -190,7 +199,7 @@ class Scheduler:
         share = ClientShare(self.running, self.waiting, self._share_capacity)
         needy = [r for r in self.waiting if self._startable(r)]
         for victim in share.victims(self.running, needy, self._decode_ready):
-            self._retract(victim, for_share=True)
+            self._retract(victim, reason="share")
 
     def _pick_batch(self) -> ScheduledBatch | None:
         if self.mixed:
@@ -374,15 +383,18 @@ class Scheduler:
             retracted,
         )
 
-    def _retract(self, req: Req, for_share: bool = False) -> None:
+    def _retract(self, req: Req, reason: str = "kv") -> None:
         """Free ``req``'s KV (cached in the tree) and put it back at the queue head.
-        ``for_share``: it makes room for another client, not for KV."""
+        ``reason``: "kv" (decode ran out), "share" (room for another client) or "reader"
+        (its reader is behind); each has its own counter."""
         self.running.remove(req)
         self.kv.release(req)
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
-        if for_share:
+        if reason == "share":
             self.num_share_preemptions += 1
+        elif reason == "reader":
+            self.num_reader_pauses += 1
         else:
             self.num_retractions += 1
         self.waiting.appendleft(req)

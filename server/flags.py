@@ -204,7 +204,8 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "max-queued-outputs",
-        "outputs queued per stream for a slow reader before they are merged",
+        "outputs queued per stream for a slow reader before they are merged and its request "
+        "pauses (until half are read)",
         "max_queued_outputs",
     ),
     FlagSpec(

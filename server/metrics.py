@@ -75,6 +75,11 @@ _PLAIN_COUNTERS = (
         "share_preemptions_total",
     ),
     (
+        "reader_pauses_total",
+        "Running requests retracted because their stream's reader was behind.",
+        "reader_pauses_total",
+    ),
+    (
         "mixed_steps_total",
         "Forward passes holding decode tokens and prefill chunks together.",
         "mixed_steps_total",
