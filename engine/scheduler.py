@@ -106,7 +106,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        # One paused for its reader waits for the reader: stepping for it would spin.
+        return bool(self.running) or any(not r.reader_behind for r in self.waiting)
 
     # ------------------------------------------------------------------ policy
     def _reserved_tokens(self) -> int:

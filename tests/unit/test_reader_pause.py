@@ -82,6 +82,7 @@ def test_an_unread_stream_pauses_and_resumes_when_read(tiny_llama_dir: Path) -> 
             assert engine.stats()["generation_tokens_total"] == generated
             assert generated - before < params.max_tokens
             assert engine.stats()["running"] == 0
+            assert not engine.engine.has_work  # the loop sleeps instead of stepping for it
             outs += [out async for out in gen]  # reading lets it go on to its end
             final = outs[-1]
             assert final.finished and final.token_ids == reference.token_ids
