@@ -53,9 +53,9 @@ class SamplingParams:
     # The tenant whose cached KV this request may reuse (engine/cache_salt.py); None:
     # the unsalted cache. Not a sampling setting, but it travels with every copy.
     cache_salt: str | None = None
-    # Who sent it (the server sets the peer address): while the running slots are full,
-    # each client with work keeps a fair share of them (engine/client_share.py). None:
-    # one shared client, as for every caller of the engine's own API.
+    # Who sent it (the server sets the peer address): when admission runs out of room,
+    # each client with work keeps a fair share of the running requests
+    # (engine/client_share.py). None: one shared client, as for the engine's own API.
     client: str | None = None
 
     def __post_init__(self) -> None:
