@@ -11,6 +11,7 @@ from engine.config import SchedulerConfig
 from engine.group_turns import GroupTurns
 from engine.kvcache.allocator import OutOfSlotsError
 from engine.kvcache.manager import KVCacheManager
+from engine.prefill_sharing import waits_for_in_flight
 from engine.request import Req, ReqStatus
 from engine.scheduled_batch import ScheduledBatch
 
@@ -19,24 +20,6 @@ LPM_MAX_WAITING = 128
 # lpm lets a request with a longer cached prefix go first; one passed over by later
 # arrivals this many times goes ahead of all of them, so lpm never starves anyone.
 MAX_TIMES_PASSED = 8
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix; slices compare at C speed, so a binary search
-    over slice equality beats a Python loop over long prompts."""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
-        return 0
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 1, n - 1  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class QueueFullError(RuntimeError):
@@ -124,22 +107,6 @@ class Scheduler:
         if not self.kv.tree.enabled:
             return 0
         return max(0, len(req.prompt_ids) - req.prefix_len)
-
-    def _should_wait(self, req: Req, cached_len: int, in_flight: list[Req]) -> bool:
-        """Whether ``req`` would prefill tokens that an in-flight prefill is computing now.
-
-        NOTE: this never deadlocks: the requests waited for are running (they hold their KV
-        and make progress every prefill step); once they land, finish, are retracted or
-        aborted they leave ``in_flight`` and the waiter is admitted as usual.
-        """
-        key = req.all_ids[: req.seq_len - 1]  # what admission matches against the tree
-        # Waiting pays once it saves a whole page (the tree caches whole pages only).
-        for other in in_flight:
-            if other.cache_salt != req.cache_salt:
-                continue  # another tenant's pages are never this request's hit
-            if common_prefix_len(key, other.prompt_ids) - cached_len >= self.kv.page_size:
-                return True
-        return False
 
     def land_prefill(self, batch: ScheduledBatch) -> None:
         """After a batch with prefill chunks ran: put their computed pages in the tree."""
@@ -297,7 +264,7 @@ class Scheduler:
             match = self.kv.match(req)
             # A request scoring its prompt computes all of it: waiting would gain nothing.
             waits = in_flight and not req.scoring_prompt
-            if waits and self._should_wait(req, match.device_len, in_flight):
+            if waits and waits_for_in_flight(req, match.device_len, in_flight, self.kv.page_size):
                 kept_back += share.under_share(req)
                 continue  # reuse that prefill once it lands; others are not held back
             ready = self.kv.prefetch_ready(req, match)

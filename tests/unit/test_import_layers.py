@@ -43,6 +43,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.layers": 3,
     "engine.group_turns": 2,
     "engine.client_share": 2,
+    "engine.prefill_sharing": 2,
     "engine.scheduled_batch": 2,
     "engine.scheduler": 3,
     "engine.kv_setup": 3,

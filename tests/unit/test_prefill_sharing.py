@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.prefill_sharing import common_prefix_len
 from engine.request import RequestOutput
-from engine.scheduler import common_prefix_len
 from tests.unit.cpu_engine import checked_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
