@@ -341,6 +341,7 @@ def test_replica_killed_then_restarted(fleet: LocalFleet, round_robin: Process, 
         assert victim_url in str(outcomes["plain"])  # the error names the dead replica
 
         fleet.wait_healthy({survivor_url}, timeout=60)
+        fleet.wait_healthy({survivor_url}, timeout=60, router=round_robin)  # both routers
         for router_url in (fleet.url, round_robin.url):
             routed = openai_client(router_url, fleet.api_key)
             for i in range(3):
