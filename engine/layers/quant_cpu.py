@@ -13,6 +13,7 @@ cannot be built the loader dequantizes the GGUF at load instead, and says so.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +48,27 @@ _QUANT = NativeExtension(
 )
 
 
+# Set to 0 to keep batches (more than GEMV_MAX_TOKENS tokens) on the float32 tiles where
+# the CPU has AMX (for comparisons; see csrc/quant_amx.h).
+AMX_SWITCH = "HISERVE_PACKED_AMX"
+_amx_said = False
+
+
 def quant_kernel() -> Any | None:
-    """The compiled module (``qmatmul``, ``dequantize``, ``ISA``), or None when it cannot
-    be built here."""
-    return _QUANT.load()
+    """The compiled module (``qmatmul``, ``dequantize``, ``ISA``, ``AMX``, ``set_amx``),
+    or None when it cannot be built here. The first call says which path batches take."""
+    global _amx_said
+    module = _QUANT.load()
+    if module is not None and not _amx_said:
+        _amx_said = True
+        if module.AMX and os.environ.get(AMX_SWITCH, "1") == "0":
+            module.set_amx(False)
+            logger.info("packed weights: batches on float32 tiles (%s=0)", AMX_SWITCH)
+        elif module.AMX:
+            logger.info("packed weights: batches on AMX tiles (bf16 hi/lo split, float32 sums)")
+        else:
+            logger.info("packed weights: batches on float32 tiles (no AMX on this CPU)")
+    return module
 
 
 def build_error() -> str | None:

@@ -5,8 +5,10 @@ the K-quants, which gguf-py cannot quantize, as random bytes with sane scales), 
 against ``gguf.quants.dequantize`` followed by a float64 matmul: the register path (1-4
 tokens), the tiled path (more), odd row counts, strided outputs. Tolerance: each output
 within 1e-5 of the sum of |w * x| over its row (float32 summation error, order aside).
-The same checks run on the build this CPU picks (AVX-512 here) and on an AVX2 build
-forced by reporting an AVX2 CPU to the build flags.
+The same checks run on the build this CPU picks (AVX-512 here), with batches on its AMX
+tiles where the CPU has them (bf16 hi/lo split, csrc/quant_amx.h: the same tolerance) and
+on its float32 tiles, and on an AVX2 build forced by reporting an AVX2 CPU to the build
+flags.
 """
 
 from __future__ import annotations
@@ -42,19 +44,55 @@ def _avx2_build(monkeypatch: pytest.MonkeyPatch) -> Any:
     return ext.load()
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+class _Path:
+    """The native module with its batched path pinned for each call: ``amx`` on the AMX
+    tiles, or on the float32 tiles (the module switch is process-wide, and the tests of
+    this file run in random order)."""
+
+    def __init__(self, module: Any, amx: bool) -> None:
+        self.module, self.amx = module, amx
+
+    def qmatmul(self, *args: Any) -> None:
+        before = self.module.set_amx(self.amx)
+        try:
+            self.module.qmatmul(*args)
+        finally:
+            self.module.set_amx(before)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+@pytest.fixture(scope="module", params=["native", "amx", "avx2"])
 def kernel(request: pytest.FixtureRequest) -> Any:
-    if request.param == "native":
+    if request.param in ("native", "amx"):
         module = quant_cpu.quant_kernel()
         assert module is not None, quant_cpu.build_error()
         if torch.backends.cpu.get_cpu_capability() == "AVX512":
             assert module.ISA == "avx512"
-        return module
+        if request.param == "amx" and not module.AMX:
+            pytest.skip("this CPU has no AMX (or the kernel refused its use)")
+        return _Path(module, amx=request.param == "amx")
     with pytest.MonkeyPatch.context() as monkeypatch:
         module = _avx2_build(monkeypatch)
     assert module is not None
-    assert module.ISA == "avx2"
+    assert module.ISA == "avx2" and not module.AMX
     return module
+
+
+def test_amx_is_found_where_the_cpu_has_it() -> None:
+    # The AMX path must not silently go missing on a CPU that has it (Linux reports the
+    # flags in /proc/cpuinfo; the kernel also needs the OS to grant the tile state).
+    module = quant_cpu.quant_kernel()
+    assert module is not None
+    flags = set()
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    has_amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags and module.ISA == "avx512"
+    assert has_amx == module.AMX
 
 
 @pytest.mark.parametrize("qtype", sorted(PACKED_TYPES), ids=lambda q: PACKED_TYPES[q][0])
@@ -68,7 +106,7 @@ def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> 
         kernel.dequantize(data, qtype, cols), torch.from_numpy(expected_w), rtol=1e-6, atol=1e-7
     )
     gen = torch.Generator().manual_seed(qtype)
-    for tokens in (1, 2, 3, 4, 5, 33):
+    for tokens in (1, 2, 3, 4, 5, 16, 33):
         x = torch.randn(tokens, cols, generator=gen)
         want, scale = reference(blocks, qtype, x)
         wide = torch.full((tokens, rows + 9), float("nan"))
@@ -138,9 +176,9 @@ def test_batched_path_under_inference_mode(kernel: Any) -> None:
     # The engine runs in inference mode; threads the kernel starts must not touch its
     # tensors through ATen ops (their own mode is off, so an in-place op raises).
     blocks = random_blocks(3, 300, 64, seed=2)
-    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1))
     with torch.inference_mode():
-        x = torch.randn(9, 64)
+        x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
         out = torch.empty(9, 300)
         kernel.qmatmul(x, torch.from_numpy(blocks), 3, out)
-    torch.testing.assert_close(out, x @ want.T, rtol=1e-4, atol=1e-4)
+    want, scale = reference(blocks, 3, x)
+    assert (out - want).abs().le(REL_TOL * scale + 1e-6).all()

@@ -6,19 +6,20 @@
 //   two 16-float vectors (registers only) and multiplied into one float32 accumulator
 //   per token; rows are split over the threads. The bytes read per call are the packed
 //   bytes, 3.5-8.5 bits a weight instead of 32.
-// - qmatmul, larger M: the threads dequantize a chunk of kTileRows rows each into a
-//   float32 buffer (L2-sized per thread), then at::mm multiplies the chunk by all tokens;
-//   the dequantize cost is paid once per call, not once per token.
+// - qmatmul, larger M, on a CPU with AMX: bf16 tiles with a hi/lo split of both operands,
+//   float32 sums (quant_amx.h); the dequantize cost is paid once per call.
+// - qmatmul, larger M, elsewhere: the threads dequantize chunks of kTileRows rows each
+//   into a float32 buffer (about 1 MB a chunk), then at::mm multiplies the chunk by all
+//   tokens, writing in place into the output's columns.
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
 // With AVX-512 the dequantize is vector code per 32-weight sub-block; without it (AVX2 or
 // scalar builds, see cpu_kernels._cflags) each block is dequantized to a float buffer by
-// the scalar code below and the dot products are left to the compiler's vectorizer.
+// the scalar code (quant_blocks.h) and the dot products are left to the compiler.
 // Both accumulate in float32; they differ from "dequantize, then float32 matmul" only in
 // the order of the sums. Layouts follow ggml's block structs (block_q4_0 ... block_q6_K).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -29,166 +30,17 @@
 #include <immintrin.h>
 #endif
 
+#include "quant_amx.h"
+#include "quant_blocks.h"
+
 namespace {
 
-// ggml type ids (GGMLQuantizationType).
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-constexpr int kBF16 = 30;  // plain bfloat16 weights, taken 32 at a time as one "block"
+using namespace hiserve_quant;  // NOLINT: the block formats, one namespace per header
+
 constexpr int kGemvMax = 4;     // the most tokens the register path takes
 constexpr int kTileRows = 64;   // rows per dequantized tile on the batched path
-
-template <int Q>
-constexpr int block_len() {  // weights per block
-  return (Q == kQ4_K || Q == kQ5_K || Q == kQ6_K) ? 256 : 32;
-}
-
-template <int Q>
-constexpr int block_bytes() {
-  return Q == kQ4_0 ? 18 : Q == kQ4_1 ? 20 : Q == kQ8_0 ? 34 : Q == kQ4_K ? 144
-       : Q == kQ5_K ? 176 : Q == kBF16 ? 64 : 210;
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);  // one instruction; the portable form is a dozen per block scale
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
-}
-
-// 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block, from its 12 packed bytes.
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// One block -> block_len<Q>() floats (the scalar reference, and the fallback path).
-template <int Q>
-void dequant_block(const uint8_t* b, float* out) {
-  if constexpr (Q == kBF16) {
-    for (int i = 0; i < 32; ++i) {
-      uint16_t bits;
-      std::memcpy(&bits, b + 2 * i, 2);
-      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-      std::memcpy(out + i, &wide, 4);
-    }
-  } else if constexpr (Q == kQ8_0) {
-    const float d = half_at(b);
-    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
-  } else if constexpr (Q == kQ4_0 || Q == kQ4_1) {
-    const float d = half_at(b);
-    const float m = Q == kQ4_1 ? half_at(b + 2) : -8.f * d;
-    const uint8_t* qs = b + (Q == kQ4_1 ? 4 : 2);
-    for (int l = 0; l < 16; ++l) {
-      out[l] = d * static_cast<float>(qs[l] & 15) + m;
-      out[l + 16] = d * static_cast<float>(qs[l] >> 4) + m;
-    }
-  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* qh = b + 16;  // Q5_K only: the fifth bit of each weight
-    const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16);
-    for (int s = 0; s < 8; ++s) {
-      int sc, mn;
-      scale_min_k4(scales, s, sc, mn);
-      const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
-      const uint8_t* q = qs + 32 * (s / 2);
-      const int shift = (s & 1) * 4;
-      for (int l = 0; l < 32; ++l) {
-        int v = (q[l] >> shift) & 15;
-        if constexpr (Q == kQ5_K) v |= ((qh[l] >> s) & 1) << 4;
-        out[32 * s + l] = ds * static_cast<float>(v) - dm;
-      }
-    }
-  } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_at(b + 208);
-    for (int t = 0; t < 8; ++t) {
-      const int h = t / 4, u = t % 4;
-      const uint8_t* lo = ql + 64 * h + 32 * (u % 2);
-      const uint8_t* hi = qh + 32 * h;
-      for (int l = 0; l < 32; ++l) {
-        const int v = ((lo[l] >> (4 * (u / 2))) & 15) | (((hi[l] >> (2 * u)) & 3) << 4);
-        out[32 * t + l] = d * static_cast<float>(sc[2 * t + l / 16]) * static_cast<float>(v - 32);
-      }
-    }
-  }
-}
-
-#if defined(__AVX512F__)
-// 16 bytes -> 16 int32 lanes.
-inline __m512i widen_u8(const uint8_t* p) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
-
-// Sub-block ``sub`` (32 weights) of block ``b`` into lo (weights 0..15) and hi (16..31).
-template <int Q>
-inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
-  const __m512i low4 = _mm512_set1_epi32(15);
-  if constexpr (Q == kBF16) {  // bf16 is the top half of a float32
-    const __m256i* p = reinterpret_cast<const __m256i*>(b);
-    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
-    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
-  } else if constexpr (Q == kQ8_0) {
-    const __m512 d = _mm512_set1_ps(half_at(b));
-    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
-    lo = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-    hi = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
-  } else if constexpr (Q == kQ4_0 || Q == kQ4_1) {
-    const float df = half_at(b);
-    const __m512 d = _mm512_set1_ps(df);
-    const __m512 m = _mm512_set1_ps(Q == kQ4_1 ? half_at(b + 2) : -8.f * df);
-    const __m512i v = widen_u8(b + (Q == kQ4_1 ? 4 : 2));
-    lo = _mm512_fmadd_ps(to_float(_mm512_and_si512(v, low4)), d, m);
-    hi = _mm512_fmadd_ps(to_float(_mm512_srli_epi32(v, 4)), d, m);
-  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
-    int sc, mn;
-    scale_min_k4(b + 4, sub, sc, mn);
-    const __m512 ds = _mm512_set1_ps(half_at(b) * static_cast<float>(sc));
-    const __m512 neg_dm = _mm512_set1_ps(-half_at(b + 2) * static_cast<float>(mn));
-    const uint8_t* q = b + (Q == kQ5_K ? 48 : 16) + 32 * (sub / 2);
-    const int shift = (sub & 1) * 4;
-    __m512i v0 = _mm512_and_si512(_mm512_srli_epi32(widen_u8(q), shift), low4);
-    __m512i v1 = _mm512_and_si512(_mm512_srli_epi32(widen_u8(q + 16), shift), low4);
-    if constexpr (Q == kQ5_K) {
-      const __m512i bit = _mm512_set1_epi32(1);
-      const uint8_t* qh = b + 16;
-      v0 = _mm512_or_si512(v0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh), sub), bit), 4));
-      v1 = _mm512_or_si512(v1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh + 16), sub), bit), 4));
-    }
-    lo = _mm512_fmadd_ps(to_float(v0), ds, neg_dm);
-    hi = _mm512_fmadd_ps(to_float(v1), ds, neg_dm);
-  } else {  // Q6_K
-    const int h = sub / 4, u = sub % 4;
-    const uint8_t* ql = b + 64 * h + 32 * (u % 2);
-    const uint8_t* qh = b + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_at(b + 208);
-    const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
-    const int lshift = 4 * (u / 2), hshift = 2 * u;
-    const __m512i v0 = _mm512_sub_epi32(_mm512_or_si512(
-        _mm512_and_si512(_mm512_srli_epi32(widen_u8(ql), lshift), low4),
-        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh), hshift), three), 4)), bias);
-    const __m512i v1 = _mm512_sub_epi32(_mm512_or_si512(
-        _mm512_and_si512(_mm512_srli_epi32(widen_u8(ql + 16), lshift), low4),
-        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh + 16), hshift), three), 4)), bias);
-    lo = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[2 * sub])), to_float(v0));
-    hi = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[2 * sub + 1])), to_float(v1));
-  }
-}
-#endif
+// Floats of dequantized rows per at::mm on the batched path (1 MB): fewer, larger calls.
+constexpr int64_t kChunkFloats = 256 * 1024;
 
 // Rows [n_begin, n_end) of W into dst (row stride k_len), as float32.
 template <int Q>
@@ -273,7 +125,8 @@ void tiled(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t 
            int64_t k_len, torch::Tensor& y) {
   // NOTE: tensor ops stay on this thread (the worker threads do not carry its inference
   // mode): the threads only dequantize, then one at::mm per chunk of rows.
-  const int64_t chunk = kTileRows * std::max<int64_t>(1, at::get_num_threads());
+  const int64_t step = kTileRows * std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(1, kChunkFloats / (k_len * step)) * step;
   std::vector<float> buf(static_cast<size_t>(std::min(chunk, n_len) * k_len));
   for (int64_t n0 = 0; n0 < n_len; n0 += chunk) {
     const int64_t rows = std::min<int64_t>(chunk, n_len - n0);
@@ -281,7 +134,8 @@ void tiled(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t 
       dequant_rows<Q>(w, row_bytes, k_len, n0 + begin, n0 + end, buf.data() + begin * k_len);
     });
     const auto tile = torch::from_blob(buf.data(), {rows, k_len}, torch::kFloat32);
-    y.narrow(1, n0, rows).copy_(at::mm(x, tile.t()));  // [M, rows]
+    auto out = y.narrow(1, n0, rows);  // [M, rows], row stride N: BLAS writes it in place
+    at::mm_out(out, x, tile.t());
   }
 }
 
@@ -296,7 +150,15 @@ void run(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n_
     case 2: gemv<Q, 2>(xp, xs, w, row_bytes, n_len, k_len, yp, ys); break;
     case 3: gemv<Q, 3>(xp, xs, w, row_bytes, n_len, k_len, yp, ys); break;
     case 4: gemv<Q, 4>(xp, xs, w, row_bytes, n_len, k_len, yp, ys); break;
-    default: tiled<Q>(x, w, row_bytes, n_len, k_len, y); break;
+    default:
+#if defined(HISERVE_HAVE_AMX)
+      if (amx_available() && amx_enabled().load()) {
+        amx_matmul<Q>(xp, xs, x.size(0), w, row_bytes, n_len, k_len, yp, ys);
+        break;
+      }
+#endif
+      tiled<Q>(x, w, row_bytes, n_len, k_len, y);
+      break;
   }
 }
 
@@ -382,6 +244,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, float32");
   m.def("dequantize", &dequantize, "packed rows [N, row_bytes] -> float32 [N, K]");
   m.attr("GEMV_MAX_TOKENS") = kGemvMax;
+#if defined(HISERVE_HAVE_AMX)
+  m.attr("AMX") = amx_available();
+  m.def("set_amx", [](bool on) { return amx_enabled().exchange(on); },
+        "use the AMX path for more than GEMV_MAX_TOKENS tokens where the CPU has it; "
+        "returns the previous setting");
+#else
+  m.attr("AMX") = false;
+  m.def("set_amx", [](bool) { return false; }, "no AMX in this build");
+#endif
 #if defined(__AVX512F__)
   m.attr("ISA") = "avx512";
 #elif defined(__AVX2__)

@@ -1,0 +1,216 @@
+// The batched packed matmul on Intel AMX (tiles of bf16 multiplied into float32), for
+// CPUs that have it (Sapphire Rapids and later): y[M, N] = x[M, K] @ W[N, K]^T.
+// Included by quant_cpu.cpp, not built alone.
+//
+// Precision: bf16 has an 8-bit mantissa, so each operand is split into a high and a low
+// bf16 part (v = hi + lo, exact to about 2^-17 of |v|) and each tile product takes the
+// three terms that matter, x_hi w_hi + x_hi w_lo + x_lo w_hi, accumulated in float32 by
+// the tiles. The dropped x_lo w_lo and the split's residue bound each output's error by
+// about 1.1e-5 of the sum of |w x| over its row; measured on random blocks, 3e-6 (float32
+// summation: 1e-6), and tests/unit/test_quant_cpu.py holds both paths to 1e-5. That is
+// far below the block quantization's own error, but not float32's: --dtype float32 (or
+// HISERVE_PACKED_AMX=0) is the exact mode.
+//
+// Layout, per thread and chunk of 32 weight rows: the rows are dequantized (the same
+// dequant32 as the register path) into hi and lo bf16 rows, which are the A tiles as they
+// are (16 rows x 32 values). The tokens are the B tiles: x split once per call into hi
+// and lo, stored as ggml/oneDNN's "VNNI" pairs (for each pair of k, 16 tokens x 2 values).
+// A tile product then gives y^T for 16 rows x 16 tokens, which is written out transposed.
+//
+// The CPU's AMX state needs the kernel's permission (arch_prctl XCOMP_PERM): asked once;
+// where it is refused, or the CPU has no AMX, ``amx_available()`` is false and callers
+// keep the float32 path.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) || __GNUC__ >= 11)
+#define HISERVE_HAVE_AMX 1
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "quant_blocks.h"
+
+#define HISERVE_AMX_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+
+namespace hiserve_quant {
+
+constexpr int kAmxRows = 32;  // weight rows per chunk: two A tiles of 16
+
+inline bool amx_permitted() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h
+  if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+inline bool amx_available() {
+  static const bool ok = amx_permitted();
+  return ok;
+}
+
+// Whether qmatmul takes the AMX path for more than kGemvMax tokens (tests turn it off to
+// check the float32 path on the same CPU).
+inline std::atomic<bool>& amx_enabled() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes: 0-1 the float32 outputs, 2-5 weights (hi, lo of two
+// row blocks), 6-7 tokens (hi, lo).
+HISERVE_AMX_TARGET inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// 16 floats -> (their bf16, the bf16 of what that leaves), round to nearest even.
+HISERVE_AMX_TARGET inline void split_bf16(__m512 v, __m256i& hi, __m256i& lo) {
+  hi = (__m256i)_mm512_cvtneps_pbh(v);
+  const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+  lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+}
+
+// Tokens [begin, end) of x [M, K] (row stride xs) -> hi and lo B tiles: for each block of
+// 16 tokens, K/2 rows of 16 (token) x 2 (k, k+1) bf16; tokens past M are zero.
+HISERVE_AMX_TARGET inline void pack_tokens(const float* x, int64_t xs, int64_t m_len,
+                                           int64_t k_len, int64_t begin, int64_t end,
+                                           uint16_t* hi, uint16_t* lo) {
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(16));
+  for (int64_t m = begin; m < end; ++m) {
+    uint32_t* h32 = reinterpret_cast<uint32_t*>(hi) + (m / 16) * (k_len / 2) * 16 + m % 16;
+    uint32_t* l32 = reinterpret_cast<uint32_t*>(lo) + (m / 16) * (k_len / 2) * 16 + m % 16;
+    for (int64_t k = 0; k < k_len; k += 32) {
+      __m256i h0, l0, h1, l1;
+      if (m < m_len) {
+        split_bf16(_mm512_loadu_ps(x + m * xs + k), h0, l0);
+        split_bf16(_mm512_loadu_ps(x + m * xs + k + 16), h1, l1);
+      } else {
+        h0 = l0 = h1 = l1 = _mm256_setzero_si256();
+      }
+      // 32 bf16 = 16 (k, k+1) pairs, one per tile row: 16 dwords at a stride of 16.
+      const __m512i hp = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+      const __m512i lp = _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1);
+      _mm512_i32scatter_epi32(h32 + (k / 2) * 16, lanes, hp, 4);
+      _mm512_i32scatter_epi32(l32 + (k / 2) * 16, lanes, lp, 4);
+    }
+  }
+}
+
+// Rows [n0, n0 + 32) of W (rows past n_len are zero) -> hi and lo bf16 rows of k_len.
+template <int Q>
+HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, int64_t n0,
+                                         int64_t n_len, int64_t k_len, uint16_t* hi,
+                                         uint16_t* lo) {
+  constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
+  for (int r = 0; r < kAmxRows; ++r) {
+    __m256i* h = reinterpret_cast<__m256i*>(hi + r * k_len);
+    __m256i* l = reinterpret_cast<__m256i*>(lo + r * k_len);
+    if (n0 + r >= n_len) {
+      for (int64_t i = 0; i < k_len / 16; ++i) {
+        _mm256_storeu_si256(h + i, _mm256_setzero_si256());
+        _mm256_storeu_si256(l + i, _mm256_setzero_si256());
+      }
+      continue;
+    }
+    const uint8_t* row = w + (n0 + r) * row_bytes;
+    for (int64_t bi = 0; bi < k_len / kBlock; ++bi) {
+      for (int sub = 0; sub < kBlock / 32; ++sub) {
+        __m512 v0, v1;
+        dequant32<Q>(row + bi * kBytes, sub, v0, v1);
+        const int64_t at = (bi * kBlock + sub * 32) / 16;
+        __m256i h0, l0, h1, l1;
+        split_bf16(v0, h0, l0);
+        split_bf16(v1, h1, l1);
+        _mm256_storeu_si256(h + at, h0);
+        _mm256_storeu_si256(h + at + 1, h1);
+        _mm256_storeu_si256(l + at, l0);
+        _mm256_storeu_si256(l + at + 1, l1);
+      }
+    }
+  }
+}
+
+// One thread's rows [n_begin, n_end) (a multiple of 32 apart, but for the last chunk).
+template <int Q>
+HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t m_len,
+                                 const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+                                 int64_t n_end, int64_t n_len, int64_t k_len, float* y,
+                                 int64_t ys) {
+  std::vector<uint16_t> wh(kAmxRows * k_len), wl(kAmxRows * k_len);
+  alignas(64) float c[2][16][16];
+  const int64_t stride = k_len * 2;  // bytes per packed weight row
+  const int64_t m_blocks = (m_len + 15) / 16;
+  amx_configure();
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kAmxRows) {
+    pack_rows<Q>(w, row_bytes, n0, n_len, k_len, wh.data(), wl.data());
+    for (int64_t mb = 0; mb < m_blocks; ++mb) {
+      const uint16_t* bh = xh + mb * (k_len / 2) * 32;
+      const uint16_t* bl = xl + mb * (k_len / 2) * 32;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < k_len; k += 32) {
+        _tile_loadd(2, wh.data() + k, stride);
+        _tile_loadd(3, wl.data() + k, stride);
+        _tile_loadd(4, wh.data() + 16 * k_len + k, stride);
+        _tile_loadd(5, wl.data() + 16 * k_len + k, stride);
+        _tile_loadd(6, bh + k * 16, 64);
+        _tile_loadd(7, bl + k * 16, 64);
+        _tile_dpbf16ps(0, 2, 6);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_dpbf16ps(0, 2, 7);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      const int64_t rows = std::min<int64_t>(kAmxRows, n_len - n0);
+      const int64_t toks = std::min<int64_t>(16, m_len - mb * 16);
+      for (int64_t t = 0; t < toks; ++t) {
+        float* out = y + (mb * 16 + t) * ys + n0;
+        for (int64_t r = 0; r < rows; ++r) out[r] = c[r / 16][r % 16][t];
+      }
+    }
+  }
+  _tile_release();
+}
+
+// y[M, N] (row stride ys) = x[M, K] (row stride xs) @ W^T on the tiles; K % 32 == 0.
+template <int Q>
+void amx_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w,
+                int64_t row_bytes, int64_t n_len, int64_t k_len, float* y, int64_t ys) {
+  const int64_t m_pad = (m_len + 15) / 16 * 16;
+  std::vector<uint16_t> xh(m_pad * k_len), xl(m_pad * k_len);
+  // NOTE: the lambdas only call: code in them is not built for the AMX target.
+  at::parallel_for(0, m_pad, 16, [&](int64_t begin, int64_t end) {
+    pack_tokens(x, xs, m_len, k_len, begin, end, xh.data(), xl.data());
+  });
+  const int64_t chunks = (n_len + kAmxRows - 1) / kAmxRows;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    amx_rows<Q>(xh.data(), xl.data(), m_len, w, row_bytes, begin * kAmxRows,
+                std::min(end * kAmxRows, n_len), n_len, k_len, y, ys);
+  });
+}
+
+}  // namespace hiserve_quant
+
+#endif

@@ -1,0 +1,175 @@
+// GGUF block formats (ggml's block_q4_0 ... block_q6_K, and plain bf16 taken 32 weights
+// at a time): sizes, and a block (or a 32-weight sub-block, with AVX-512) to float32.
+// Included by the packed-weight kernels (quant_cpu.cpp, quant_amx.h), not built alone.
+// NOTE: cpu_kernels.NativeExtension hashes every header here into each extension's name.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace hiserve_quant {
+
+// ggml type ids (GGMLQuantizationType).
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kBF16 = 30;  // plain bfloat16 weights, taken 32 at a time as one "block"
+
+template <int Q>
+constexpr int block_len() {  // weights per block
+  return (Q == kQ4_K || Q == kQ5_K || Q == kQ6_K) ? 256 : 32;
+}
+
+template <int Q>
+constexpr int block_bytes() {
+  return Q == kQ4_0 ? 18 : Q == kQ4_1 ? 20 : Q == kQ8_0 ? 34 : Q == kQ4_K ? 144
+       : Q == kQ5_K ? 176 : Q == kBF16 ? 64 : 210;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; the portable form is a dozen per block scale
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block, from its 12 packed bytes.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One block -> block_len<Q>() floats (the scalar reference, and the fallback path).
+template <int Q>
+void dequant_block(const uint8_t* b, float* out) {
+  if constexpr (Q == kBF16) {
+    for (int i = 0; i < 32; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, b + 2 * i, 2);
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+      std::memcpy(out + i, &wide, 4);
+    }
+  } else if constexpr (Q == kQ8_0) {
+    const float d = half_at(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
+  } else if constexpr (Q == kQ4_0 || Q == kQ4_1) {
+    const float d = half_at(b);
+    const float m = Q == kQ4_1 ? half_at(b + 2) : -8.f * d;
+    const uint8_t* qs = b + (Q == kQ4_1 ? 4 : 2);
+    for (int l = 0; l < 16; ++l) {
+      out[l] = d * static_cast<float>(qs[l] & 15) + m;
+      out[l + 16] = d * static_cast<float>(qs[l] >> 4) + m;
+    }
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;  // Q5_K only: the fifth bit of each weight
+    const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16);
+    for (int s = 0; s < 8; ++s) {
+      int sc, mn;
+      scale_min_k4(scales, s, sc, mn);
+      const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+      const uint8_t* q = qs + 32 * (s / 2);
+      const int shift = (s & 1) * 4;
+      for (int l = 0; l < 32; ++l) {
+        int v = (q[l] >> shift) & 15;
+        if constexpr (Q == kQ5_K) v |= ((qh[l] >> s) & 1) << 4;
+        out[32 * s + l] = ds * static_cast<float>(v) - dm;
+      }
+    }
+  } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    for (int t = 0; t < 8; ++t) {
+      const int h = t / 4, u = t % 4;
+      const uint8_t* lo = ql + 64 * h + 32 * (u % 2);
+      const uint8_t* hi = qh + 32 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int v = ((lo[l] >> (4 * (u / 2))) & 15) | (((hi[l] >> (2 * u)) & 3) << 4);
+        out[32 * t + l] = d * static_cast<float>(sc[2 * t + l / 16]) * static_cast<float>(v - 32);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 bytes -> 16 int32 lanes.
+inline __m512i widen_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+
+// Sub-block ``sub`` (32 weights) of block ``b`` into lo (weights 0..15) and hi (16..31).
+template <int Q>
+inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
+  const __m512i low4 = _mm512_set1_epi32(15);
+  if constexpr (Q == kBF16) {  // bf16 is the top half of a float32
+    const __m256i* p = reinterpret_cast<const __m256i*>(b);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
+  } else if constexpr (Q == kQ8_0) {
+    const __m512 d = _mm512_set1_ps(half_at(b));
+    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+    lo = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    hi = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  } else if constexpr (Q == kQ4_0 || Q == kQ4_1) {
+    const float df = half_at(b);
+    const __m512 d = _mm512_set1_ps(df);
+    const __m512 m = _mm512_set1_ps(Q == kQ4_1 ? half_at(b + 2) : -8.f * df);
+    const __m512i v = widen_u8(b + (Q == kQ4_1 ? 4 : 2));
+    lo = _mm512_fmadd_ps(to_float(_mm512_and_si512(v, low4)), d, m);
+    hi = _mm512_fmadd_ps(to_float(_mm512_srli_epi32(v, 4)), d, m);
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    int sc, mn;
+    scale_min_k4(b + 4, sub, sc, mn);
+    const __m512 ds = _mm512_set1_ps(half_at(b) * static_cast<float>(sc));
+    const __m512 neg_dm = _mm512_set1_ps(-half_at(b + 2) * static_cast<float>(mn));
+    const uint8_t* q = b + (Q == kQ5_K ? 48 : 16) + 32 * (sub / 2);
+    const int shift = (sub & 1) * 4;
+    __m512i v0 = _mm512_and_si512(_mm512_srli_epi32(widen_u8(q), shift), low4);
+    __m512i v1 = _mm512_and_si512(_mm512_srli_epi32(widen_u8(q + 16), shift), low4);
+    if constexpr (Q == kQ5_K) {
+      const __m512i bit = _mm512_set1_epi32(1);
+      const uint8_t* qh = b + 16;
+      v0 = _mm512_or_si512(v0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh), sub), bit), 4));
+      v1 = _mm512_or_si512(v1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh + 16), sub), bit), 4));
+    }
+    lo = _mm512_fmadd_ps(to_float(v0), ds, neg_dm);
+    hi = _mm512_fmadd_ps(to_float(v1), ds, neg_dm);
+  } else {  // Q6_K
+    const int h = sub / 4, u = sub % 4;
+    const uint8_t* ql = b + 64 * h + 32 * (u % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+    const int lshift = 4 * (u / 2), hshift = 2 * u;
+    const __m512i v0 = _mm512_sub_epi32(_mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi32(widen_u8(ql), lshift), low4),
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh), hshift), three), 4)), bias);
+    const __m512i v1 = _mm512_sub_epi32(_mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi32(widen_u8(ql + 16), lshift), low4),
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh + 16), hshift), three), 4)), bias);
+    lo = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[2 * sub])), to_float(v0));
+    hi = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[2 * sub + 1])), to_float(v1));
+  }
+}
+#endif
+
+}  // namespace hiserve_quant
