@@ -356,3 +356,19 @@ def test_make_generator_is_reproducible() -> None:
     a = torch.rand(5, generator=make_generator(42, CPU))
     b = torch.rand(5, generator=make_generator(42, CPU))
     assert torch.equal(a, b)
+
+
+def test_cdf_draws_at_the_edges_never_pick_a_zero_probability_token() -> None:
+    # Zero-probability tokens at the start, the middle and the end of the vocabulary (a
+    # grammar mask, top-k, padding), with draws at 0, just below 1 and at every interval
+    # boundary: each picks the token whose interval holds it, never a zero.
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.5, 0.25, 0.0]])
+    edges = [0.0, 0.25, 0.7499999, 0.75, math.nextafter(1.0, 0.0)]
+    picked = [sampler_module.sample_from_cdf(probs, torch.tensor([[u]])).item() for u in edges]
+    assert picked == [1, 4, 4, 5, 5]
+    # Rows whose mass is not exactly 1 (float32 softmax) scale the draw by their total.
+    scaled = probs * 0.999
+    assert (
+        sampler_module.sample_from_cdf(scaled, torch.tensor([[math.nextafter(1.0, 0.0)]])).item()
+        == 5
+    )
