@@ -2,7 +2,8 @@
 
 Each app owns a private ``CollectorRegistry`` (tests build several apps in one process).
 Engine numbers come from ``engine.stats()`` when ``/metrics`` is scraped; the server
-observes TTFT, inter-token latency and end-to-end latency per choice.
+observes TTFT, inter-token latency and end-to-end latency per choice. The process's own
+``process_*`` series (prometheus-client's ProcessCollector) come with them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -272,6 +279,10 @@ class ServerMetrics:
     def __init__(self, get_engine: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(get_engine))
+        # The standard process_* series (resident memory, CPU seconds, open descriptors):
+        # what an operator watches during an attack or a leak, and what
+        # bench.grammar_abuse reads to check memory comes back afterwards.
+        ProcessCollector(registry=self.registry)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Arrival at the server to the first generated token.",

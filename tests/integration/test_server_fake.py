@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -248,6 +249,11 @@ def test_metrics_names(fake: Fake, tools: SimpleNamespace) -> None:
     assert tools.metric_value(text, "hiserve:time_to_first_token_seconds_count") == 1
     assert tools.metric_value(text, "hiserve:inter_token_latency_seconds_count") == 1
     assert tools.metric_value(text, "hiserve:e2e_request_latency_seconds_count") == 1
+    # The process's own series (this test's process: the server runs in a thread here).
+    status = Path("/proc/self/status").read_text().splitlines()
+    rss_kib = int(next(line for line in status if line.startswith("VmRSS")).split()[1])
+    resident = tools.metric_value(text, "process_resident_memory_bytes")
+    assert resident == pytest.approx(rss_kib * 1024, rel=0.2)
     assert (
         tools.metric_value(
             text, "hiserve:host_tier_info", 'alloc_method="none",enabled="false",pinned="false"'
