@@ -1,23 +1,27 @@
-"""Replay issue 25's grammar and output-size attacks, and its streams that are never
-read, against a running server, with a canary measuring what each costs everyone else.
+"""Replay issue 25's grammar, output-size and request-copy attacks, its slow headers and
+its streams that are never read, against a running server, with a canary measuring what
+each costs everyone else.
 
     python -m bench.grammar_abuse --base-url http://127.0.0.1:8000 [--api-key KEY]
 
 Meanwhile a canary thread sends an 8-token completion every 0.5 s and a /health probe
 every 0.1 s. For each attack it prints the replies' status codes and the attack's wall
-time, plus the worst /health and canary latency while it ran. Start with a quiet
-baseline (no attack) to compare against.
+time, the worst /health and canary latency while it ran, and the server's resident
+memory (``process_resident_memory_bytes`` from /metrics) before the attack and 2 s after
+it. Start with a quiet baseline (no attack) to compare against.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import socket
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +46,18 @@ class Target:
         content = body if isinstance(body, str) else json.dumps(body)
         resp = httpx.post(self.base_url + path, content=content, headers=headers, timeout=timeout)
         return resp.status_code
+
+    def resident_mb(self) -> float | None:
+        """The server's resident memory in MB (10^6 bytes), from its /metrics."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            text = httpx.get(self.base_url + "/metrics", headers=headers, timeout=30).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("process_resident_memory_bytes "):
+                return float(line.split()[1]) / 1e6
+        return None
 
 
 @dataclass
@@ -142,6 +158,63 @@ def long_stops(t: Target) -> list[int]:
     return [t.post("/v1/completions", body)]
 
 
+def copies_flood(t: Target) -> list[int]:
+    """A 7.4K-token prompt with n=64 and max_tokens=1 (each copy's one-token prefill read
+    the whole prefix: canary 33.7 s before the n x prompt budget), alongside 2 prompts of
+    ~480 tokens x n=128, which fit the budget and must share the engine fairly."""
+    long_body = {"prompt": "hello " * 7400, "n": 64, "max_tokens": 1}
+    pair_body = {"prompt": ["one two three " * 160, "four five six " * 160], "n": 128}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(t.post, "/v1/completions", long_body),
+            pool.submit(t.post, "/v1/completions", {**pair_body, "max_tokens": 1}),
+        ]
+        return [f.result() for f in futures]
+
+
+def _status_of(sock: socket.socket) -> int:
+    """The status code of the reply waiting on ``sock`` (0: none, or the reset)."""
+    try:
+        head = sock.recv(64)
+    except OSError:
+        return 0
+    parts = head.split(b" ", 2)
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def slow_headers(t: Target, count: int = 2000, hold_s: float = 15.0) -> list[int]:
+    """2,000 connections from ``t.attack_from`` sending their request headers a byte a
+    second (slowloris; 20,100 of them took every descriptor before the connection caps),
+    held ``hold_s`` seconds, past the default 10 s --header-timeout. Returns what each
+    got: 503 (over --max-connections-per-client), 408 (headers too slow), 0 (nothing)."""
+    url = urllib.parse.urlsplit(t.base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    start = f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nX-Slow: ".encode()
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.settimeout(2.0)
+            if t.attack_from:
+                sock.bind((t.attack_from, 0))
+            with contextlib.suppress(OSError):  # refused or reset: its status says so
+                sock.connect((host, port))
+                sock.sendall(start)
+            sockets.append(sock)
+        deadline = time.monotonic() + hold_s
+        while time.monotonic() < deadline:
+            for sock in sockets:
+                with contextlib.suppress(OSError):  # the server has answered and closed it
+                    sock.send(b"x")
+            time.sleep(1.0)
+        for sock in sockets:
+            sock.settimeout(0.2)
+        return [_status_of(sock) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def idle_streams(t: Target, count: int = 80, hold_s: float = 30.0) -> list[int]:
     """80 streams of 3,000 tokens whose clients never read (the canary waited 46 s before
     the send timeout): raw sockets with a 1 KiB receive buffer, held ``hold_s`` seconds
@@ -182,8 +255,21 @@ ATTACKS: dict[str, Attack] = {
     "slow_compiles": slow_compiles,
     "logprob_flood": logprob_flood,
     "long_stops": long_stops,
+    "copies_flood": copies_flood,
+    "slow_headers": slow_headers,
     "idle_streams": idle_streams,
 }
+
+
+def summarize(statuses: list[int]) -> str:
+    """``[200, 200, 400]`` -> ``"200x2,400"``; no replies -> ``"-"``."""
+    counts = Counter(statuses)
+    text = ",".join(f"{code}x{n}" if n > 1 else str(code) for code, n in sorted(counts.items()))
+    return text or "-"
+
+
+def _mb(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}"
 
 
 def _ipv4_loopback(base_url: str) -> bool:
@@ -207,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attack-from",
         default=None,
-        help="local address idle_streams connects from, another client than the canary "
+        help="local address idle_streams and slow_headers connect from, another client "
+        "than the canary "
         "(default: 127.0.0.2 for a server on a loopback address, else the system's choice)",
     )
     args = parser.parse_args(argv)
@@ -219,8 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     canary = Canary(target)
     canary.start()
     time.sleep(1.0)
-    print(f"{'attack':16} {'status':24} {'wall s':>7} {'health max s':>12} {'canary max s':>12}")
+    print(
+        f"{'attack':16} {'status':24} {'wall s':>7} {'health max s':>12} "
+        f"{'canary max s':>12} {'RSS MB before/after':>20}"
+    )
     for name in args.attacks:
+        before = target.resident_mb()
         canary.reset()
         started = time.perf_counter()
         statuses = ATTACKS[name](target)
@@ -228,10 +319,13 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(args.quiet_s)
         wall = time.perf_counter() - started
         time.sleep(0.6)  # let the canary in flight land inside this attack's window
+        health, worst, failures = canary.health_max, canary.canary_max, canary.failures
+        time.sleep(1.4)  # memory is read 2 s after the attack
+        after = target.resident_mb()
         print(
-            f"{name:16} {','.join(map(str, statuses)) or '-':24} {wall:7.2f} "
-            f"{canary.health_max:12.3f} {canary.canary_max:12.3f}"
-            + (f"  ({canary.failures} canary failures)" if canary.failures else "")
+            f"{name:16} {summarize(statuses):24} {wall:7.2f} {health:12.3f} {worst:12.3f} "
+            f"{_mb(before):>9}/{_mb(after):<10}"
+            + (f"  ({failures} canary failures)" if failures else "")
         )
     canary.stop()
 
