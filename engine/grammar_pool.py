@@ -8,7 +8,8 @@ request gets its error, and the slot starts a fresh child for the next compile.
 
 Compiled grammars come back serialized (``CompiledGrammar.serialize_json``) and are kept
 in a cache bounded in bytes (their ``memory_size_bytes``); failures and timeouts are
-never kept, so a retry compiles again.
+never kept, so a retry compiles again. After reading a large one back, the C heap's free
+pages go back to the OS (``trim_heap``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.grammar_spec import GrammarError, GrammarSpec
+from engine.heap import trim_heap
 
 logger = logging.getLogger("hiserve.grammar")
 
@@ -38,6 +40,10 @@ DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # a big one back (``deserialize_json``, about 0.8 s for a 65 MB grammar, without the GIL)
 # competed with the engine for the cores just as the compile did.
 COMPILE_NICENESS = 10
+# A serialized grammar this large is given back to the OS once read: the JSON text and
+# its parse are ~50x the compiled grammar (two 10 MB grammars of issue 25's slow schemas
+# left the server 1 GB larger for good, as glibc keeps freed pages for reuse).
+TRIM_AFTER_PAYLOAD_CHARS = 16 * 1024 * 1024
 
 
 def compile_niceness() -> int:
@@ -239,6 +245,9 @@ class CompilePool:
         import xgrammar as xgr
 
         compiled = xgr.CompiledGrammar.deserialize_json(payload, self.info)
+        if len(payload) >= TRIM_AFTER_PAYLOAD_CHARS:
+            del payload
+            trim_heap()
         logger.debug(
             "compiled %s grammar in %.1f ms", spec.kind, 1e3 * (time.monotonic() - started)
         )
