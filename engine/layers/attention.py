@@ -115,13 +115,19 @@ class TorchAttentionBackend(AttentionBackend):
         layer_id: int,
         meta: AttentionMetadata,
         kv_pool: DeviceKVPool,
+        skip: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
+        """Attention of each sequence's new tokens; rows of the sequences in ``skip`` are
+        left unwritten (a subclass fills them another way)."""
         num_tokens, q_heads, head_dim = q.shape
         group = q_heads // kv_pool.kv_heads
         out = torch.empty(num_tokens, q_heads * head_dim, dtype=q.dtype, device=q.device)
         start = 0
         for b, ext_len in enumerate(meta.extend_lens_list):
             end = start + ext_len
+            if b in skip:
+                start = end
+                continue
             prefix_len = meta.prefix_lens_list[b]
             if prefix_len == 0:
                 # Whole sequence is new: its K/V are the tensors just written.
@@ -227,6 +233,52 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             head_dim**-0.5,
         )  # [B, q_heads, head_dim]
         return out.view(num_seqs, q_heads * head_dim)
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+        skip: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        # A one-token extend after a cached prefix (the copies of an n > 1 request, a
+        # prompt found in the tree but for its last token) is a decode: the native kernel
+        # takes them all in one call instead of a gather and an SDPA call each per layer.
+        singles = [
+            b
+            for b, (n, prefix) in enumerate(zip(meta.extend_lens_list, meta.prefix_lens_list))
+            if n == 1 and prefix > 0 and b not in skip
+        ]
+        if not singles or q.dtype != torch.float32 or q.device.type != "cpu":
+            return super()._extend(q, k, v, layer_id, meta, kv_pool, skip)
+        if len(singles) == meta.batch_size:
+            return self._decode(q, layer_id, meta, kv_pool)
+        tokens = meta.cache.get("single_tokens")
+        if tokens is None:
+            starts = [0]
+            for n in meta.extend_lens_list:
+                starts.append(starts[-1] + n)
+            seqs = torch.tensor(singles, dtype=torch.long, device=q.device)
+            tokens = torch.tensor([starts[b] for b in singles], dtype=torch.long, device=q.device)
+            meta.cache["single_tokens"] = tokens
+            meta.cache["single_rows"] = meta.req_rows.index_select(0, seqs)
+            meta.cache["single_lens"] = meta.seq_lens.index_select(0, seqs)
+        out = super()._extend(q, k, v, layer_id, meta, kv_pool, skip | frozenset(singles))
+        head_dim = q.shape[2]
+        decoded = self.kernel.paged_decode(
+            q.index_select(0, tokens),
+            kv_pool.k_buffers[layer_id],
+            kv_pool.v_buffers[layer_id],
+            meta.req_table,
+            meta.cache["single_rows"],
+            meta.cache["single_lens"],
+            head_dim**-0.5,
+        )  # [singles, q_heads, head_dim]
+        out.index_copy_(0, tokens, decoded.view(len(singles), -1))
+        return out
 
 
 def get_attention_backend(

@@ -111,6 +111,10 @@ def backend_named(name: str) -> AttentionBackend:
         ([5], [(0, 7)]),  # one decode beside a whole short prompt
         ([9, 1, 30], [(12, 6), (0, 4)]),  # a later chunk (prefix) and a fresh prompt
         ([17, 3], [(8, 1)]),  # a one-token chunk is still an extend
+        # One-token chunks after a prefix (n > 1 copies) among longer ones and fresh ones.
+        ([9, 1], [(12, 1), (0, 4), (30, 1), (5, 3), (0, 1)]),
+        ([], [(7, 1), (20, 1)]),  # only one-token chunks after a prefix
+        ([], [(7, 1), (0, 5)]),
     ],
 )
 def test_mixed_forward_matches_reference(
@@ -142,3 +146,23 @@ def test_split_is_built_once_and_slices_the_batch() -> None:
     assert extend.req_rows_list == meta.req_rows_list[3:]
     assert torch.equal(extend.out_slots, meta.out_slots[3:])
     assert not decode.kv_loads and not extend.kv_loads
+
+
+def test_one_token_chunks_after_a_prefix_take_the_native_decode_kernel() -> None:
+    # The copies of an n=128 request each compute one token after the shared prompt: per
+    # sequence SDPA calls (a gather each, per layer) made that attack cost the canary
+    # seconds. The native backend must run them as one decode call; only the longer
+    # chunk still goes through SDPA.
+    pool, meta, q, k, v = mixed_case(2, 2, [], [(7, 1), (20, 1), (0, 5), (3, 1)], seed=3)
+    backend = backend_named("cpu_native")
+    calls: list[int] = []
+    original = backend._sdpa
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    backend._sdpa = counting  # type: ignore[method-assign]
+    got = backend.forward(q, k, v, 0, meta, pool)
+    torch.testing.assert_close(got.double(), reference(pool, 0, meta, q), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
