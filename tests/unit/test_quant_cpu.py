@@ -106,7 +106,7 @@ def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> 
         kernel.dequantize(data, qtype, cols), torch.from_numpy(expected_w), rtol=1e-6, atol=1e-7
     )
     gen = torch.Generator().manual_seed(qtype)
-    for tokens in (1, 2, 3, 4, 5, 16, 33):
+    for tokens in (1, 2, 3, 4, 5, 16, 33, 300):  # 300: AMX in two groups of tokens
         x = torch.randn(tokens, cols, generator=gen)
         want, scale = reference(blocks, qtype, x)
         wide = torch.full((tokens, rows + 9), float("nan"))
