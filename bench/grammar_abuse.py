@@ -17,7 +17,9 @@ import argparse
 import contextlib
 import ipaddress
 import json
+import random
 import socket
+import string
 import threading
 import time
 import urllib.parse
@@ -148,6 +150,19 @@ def slow_compiles(t: Target) -> list[int]:
         return [f.result() for f in futures] + [choice]
 
 
+def many_regexes(t: Target, count: int = 16) -> list[int]:
+    """16 distinct alternation regexes of 2.4 KB (300 words of 7 letters): they once added
+    870 MB that stayed (a 512-entry cache outside xgrammar's memory accounting)."""
+    rng = random.Random(25)
+    statuses = []
+    for _ in range(count):
+        words = ("".join(rng.choices(string.ascii_lowercase, k=7)) for _ in range(300))
+        pattern = "(" + "|".join(words) + ")"
+        body = {"prompt": "x", "max_tokens": 4, "guided_regex": pattern}
+        statuses.append(t.post("/v1/completions", body))
+    return statuses
+
+
 def logprob_flood(t: Target) -> list[int]:
     body = {"prompt": "x", "max_tokens": 8000, "n": 128, "logprobs": 20}
     return [t.post("/v1/completions", body)]
@@ -253,6 +268,7 @@ ATTACKS: dict[str, Attack] = {
     "deep_schema": deep_schema,
     "ambiguous_ebnf": ambiguous_ebnf,
     "slow_compiles": slow_compiles,
+    "many_regexes": many_regexes,
     "logprob_flood": logprob_flood,
     "long_stops": long_stops,
     "copies_flood": copies_flood,

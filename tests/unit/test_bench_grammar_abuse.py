@@ -7,10 +7,19 @@ resident memory is read from its /metrics."""
 from __future__ import annotations
 
 import http.server
+import json
 import socket
 import threading
 
-from bench.grammar_abuse import Target, _ipv4_loopback, idle_streams, slow_headers, summarize
+from bench.grammar_abuse import (
+    Target,
+    _ipv4_loopback,
+    idle_streams,
+    many_regexes,
+    slow_headers,
+    summarize,
+)
+from engine.grammar_spec import MAX_REGEX_CHARS
 
 
 def test_idle_streams_connect_from_the_attack_address() -> None:
@@ -82,3 +91,26 @@ def test_resident_memory_comes_from_metrics() -> None:
         target = Target(f"http://127.0.0.1:{server.server_address[1]}", None)
         assert target.resident_mb() == 1234.5
         server.shutdown()
+
+
+def test_many_regexes_sends_distinct_patterns_the_server_accepts() -> None:
+    bodies: list[dict[str, object]] = []
+
+    class Completions(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Completions) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        statuses = many_regexes(Target(f"http://127.0.0.1:{server.server_address[1]}", None))
+        server.shutdown()
+    patterns = [str(body["guided_regex"]) for body in bodies]
+    assert statuses == [200] * 16 and len(set(patterns)) == 16
+    # The review's size (2.4 KB), inside the regex cap, so each one compiles.
+    assert all(2300 <= len(p) <= MAX_REGEX_CHARS for p in patterns)
