@@ -38,6 +38,7 @@ namespace {
 using namespace hiserve_quant;  // NOLINT: the block formats, one namespace per header
 
 constexpr int kGemvMax = 4;     // the most tokens the register path takes
+constexpr int64_t kPrefetchRows = 8;  // how far ahead the register path asks for rows
 constexpr int kTileRows = 64;   // rows per dequantized tile on the batched path
 // Floats of dequantized rows per at::mm on the batched path (1 MB): fewer, larger calls.
 constexpr int64_t kChunkFloats = 256 * 1024;
@@ -75,6 +76,13 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * row_bytes;
 #if defined(__AVX512F__)
+    // NOTE: the rows stream from memory once per step; the hardware prefetcher alone
+    // left this loop waiting on them (5 GB/s of a 25 GB/s stream). Ask for the row
+    // kPrefetchRows ahead while this one is unpacked.
+    if (n + kPrefetchRows < n_end) {
+      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes);
+      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
     // Two accumulators per token (low and high half of each sub-block): two FMA chains.
     __m512 acc_lo[M], acc_hi[M];
     for (int m = 0; m < M; ++m) acc_lo[m] = acc_hi[m] = _mm512_setzero_ps();
