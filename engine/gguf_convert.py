@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 from collections.abc import Container, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path, packed: bool = False) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     _stream_tensors(gguf_path, out_dir, processor, key_map, tied, packed)
+
+
+def convert_gguf_isolated(gguf_path: Path, out_dir: Path, packed: bool = False) -> None:
+    """``convert_gguf`` in a child process (spawned: the parent may run threads), which
+    raises here what it raised there.
+
+    NOTE: the conversion's imports (transformers' GGUF reader and model classes), the
+    file's mapped pages and the heap it leaves behind stay in the child and go with it:
+    in the server's own process they added about 200 MB to its resident memory for good.
+    """
+    level = logging.getLogger().getEffectiveLevel()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        1, mp_context=context, initializer=_child_logging, initargs=(level,)
+    ) as pool:
+        pool.submit(_convert_in_child, str(gguf_path), str(out_dir), packed).result()
+
+
+def _convert_in_child(gguf_path: str, out_dir: str, packed: bool) -> None:
+    # Looked up by name in the child's own import of this module.
+    convert_gguf(Path(gguf_path), Path(out_dir), packed)
+
+
+def _child_logging(level: int) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def is_packed_layout(model_dir: Path) -> bool:

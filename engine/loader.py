@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine import gguf_convert
-from engine.gguf_convert import convert_gguf
+from engine.gguf_convert import convert_gguf_isolated
 from engine.layers import triton_ops
 from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
@@ -110,7 +110,7 @@ def _converted_dir(gguf_path: Path, cache_dir: Path, packed: bool = False) -> Pa
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models_dir))
         try:
             logger.info("converting %s into %s (once)", gguf_path, target)
-            convert_gguf(gguf_path, tmp, packed)
+            convert_gguf_isolated(gguf_path, tmp, packed)
             return publish_dir(tmp, target, packed)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

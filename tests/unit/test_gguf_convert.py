@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bench.synthetic_gguf import SHAPES, write_synthetic_gguf
 from engine import gguf_convert
 from engine.loader import default_gguf_path, iter_safetensors, load_model, resolve_model_path
 from engine.model_files import safetensors_files
@@ -92,3 +93,28 @@ def test_packed_layout_loads_dense_when_packing_is_off(
         assert torch.equal(tensor, want_state[name]), name
     with pytest.raises(ValueError, match="load it with its GGUF file"):
         load_model(packed_dir, cpu, torch.float32, "torch")
+
+
+def _converting_here_fails(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the conversion ran in the server's own process")
+
+
+def test_the_loader_converts_in_a_child_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every conversion writes its tensors through _stream_tensors; the spawned child
+    # imports a fresh gguf_convert, where this patch is not.
+    monkeypatch.setattr(gguf_convert, "_stream_tensors", _converting_here_fails)
+    gguf = write_synthetic_gguf(tmp_path / "tiny.gguf", SHAPES["tiny"], default_gguf_path())
+    out = resolve_model_path(str(gguf), cache_dir=str(tmp_path / "cache"), packed=True)
+    assert gguf_convert.is_packed_layout(out)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_a_failed_child_conversion_raises_its_error_here(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))  # a header and nothing else
+    with pytest.raises(Exception) as info:
+        gguf_convert.convert_gguf_isolated(bad, tmp_path / "out")
+    # The child's own exception, not a broken pool: the cause reaches the caller.
+    assert type(info.value).__name__ != "BrokenProcessPool"

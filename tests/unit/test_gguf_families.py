@@ -67,7 +67,7 @@ def test_gguf_of_a_family_matches_hf(
         cache = str(tmp_path / "cache")
         packed_dir = resolve_model_path(str(gguf_path), cache_dir=cache, packed=True)
         with monkeypatch.context() as patch:
-            patch.setattr(loader, "convert_gguf", _no_conversion)
+            patch.setattr(loader, "convert_gguf_isolated", _no_conversion)
             assert resolve_model_path(str(gguf_path), cache_dir=cache, packed=True) == packed_dir
         packed = load_model(
             packed_dir, torch.device("cpu"), torch.float32, "torch", gguf_path=gguf_path

@@ -50,7 +50,7 @@ def test_default_is_converted_once_and_reused(
     config = json.loads((default_model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in config
-    monkeypatch.setattr(loader, "convert_gguf", _no_conversion)
+    monkeypatch.setattr(loader, "convert_gguf_isolated", _no_conversion)
     assert resolve_model_path("default") == default_model_dir
     # The same GGUF named by path maps to the same cache entry.
     assert resolve_model_path(str(default_gguf_path())) == default_model_dir
@@ -118,7 +118,7 @@ def test_concurrent_conversions_publish_one_complete_dir(
         return real_lock(lock_path)
 
     monkeypatch.setattr(loader, "_conversion_lock", counting_lock)
-    monkeypatch.setattr(loader, "convert_gguf", _fake_convert(calls, both_at_lock))
+    monkeypatch.setattr(loader, "convert_gguf_isolated", _fake_convert(calls, both_at_lock))
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     cache = tmp_path / "cache"
