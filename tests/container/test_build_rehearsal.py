@@ -214,3 +214,14 @@ def test_the_ldd_step_fails_the_build_on_a_native_module_that_cannot_load(
         module.unlink()
     assert done.returncode == 1
     assert f"{module}: {soname} not found" in done.stderr
+
+
+def test_the_image_installs_every_native_kernel_source(image: Image) -> None:
+    # The CPU kernels are compiled on first use from the installed package's csrc: a
+    # header left out of the wheel (package-data) fails every build that includes it.
+    installed = next(image.path(VENDOR_ENV).glob("lib/python*/site-packages/engine/layers/csrc"))
+    sources = sorted(p.name for p in (ROOT / "engine" / "layers" / "csrc").iterdir())
+    assert any(name.endswith(".h") for name in sources)
+    assert sorted(p.name for p in installed.iterdir() if p.suffix in (".cpp", ".h")) == [
+        name for name in sources if name.endswith((".cpp", ".h"))
+    ]
