@@ -3,7 +3,8 @@
 Random blocks of every packed type (Q8_0/Q4_0/Q4_1 quantized by ``gguf.quants.quantize``;
 the K-quants, which gguf-py cannot quantize, as random bytes with sane scales), checked
 against ``gguf.quants.dequantize`` followed by a float64 matmul: the register path (1-4
-tokens), the tiled path (more), odd row counts, strided outputs. Tolerance: each output
+tokens), the FMA tiles (5-192 tokens without AMX), the chunked path (more), odd row
+counts, K not a multiple of the FMA tiles' slice, strided outputs. Tolerance: each output
 within 1e-5 of the sum of |w * x| over its row (float32 summation error, order aside).
 The same checks run on the build this CPU picks (AVX-512 here), with batches on its AMX
 tiles where the CPU has them (bf16 hi/lo split, csrc/quant_amx.h: the same tolerance) and
@@ -106,7 +107,9 @@ def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> 
         kernel.dequantize(data, qtype, cols), torch.from_numpy(expected_w), rtol=1e-6, atol=1e-7
     )
     gen = torch.Generator().manual_seed(qtype)
-    for tokens in (1, 2, 3, 4, 5, 16, 33, 300):  # 300: AMX in two groups of tokens
+    # 1-4: the register path; 5-192: quant_fma.h without AMX; 193 and 300: the chunked
+    # at::mm path without AMX (300: AMX in two groups of tokens)
+    for tokens in (1, 2, 3, 4, 5, 16, 33, 192, 193, 300):
         x = torch.randn(tokens, cols, generator=gen)
         want, scale = reference(blocks, qtype, x)
         wide = torch.full((tokens, rows + 9), float("nan"))
@@ -117,6 +120,21 @@ def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> 
             (out - want).abs().max(),
         )
         assert wide[:, :4].isnan().all() and wide[:, 4 + rows :].isnan().all()
+
+
+@pytest.mark.parametrize("qtype", [q for q in sorted(PACKED_TYPES) if PACKED_TYPES[q][1] == 32])
+def test_kernel_takes_k_past_a_whole_slice(kernel: Any, qtype: int) -> None:
+    # K = 9 blocks of 32: the FMA tiles' 256-weight slices end on a partial one; 13 rows:
+    # one full tile of 12 and one row alone.
+    rows, cols = 13, 9 * 32
+    blocks = random_blocks(qtype, rows, cols, seed=qtype + 1)
+    gen = torch.Generator().manual_seed(qtype + 1)
+    for tokens in (5, 17, 64):
+        x = torch.randn(tokens, cols, generator=gen)
+        want, scale = reference(blocks, qtype, x)
+        out = torch.empty(tokens, rows)
+        kernel.qmatmul(x, torch.from_numpy(blocks), qtype, out)
+        assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype)
 
 
 def test_bad_arguments_are_refused(kernel: Any) -> None:

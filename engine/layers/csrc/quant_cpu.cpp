@@ -8,7 +8,10 @@
 //   bytes, 3.5-8.5 bits a weight instead of 32.
 // - qmatmul, larger M, on a CPU with AMX: bf16 tiles with a hi/lo split of both operands,
 //   float32 sums (quant_amx.h); the dequantize cost is paid once per call.
-// - qmatmul, larger M, elsewhere: the threads dequantize chunks of kTileRows rows each
+// - qmatmul, up to kFmaMaxTokens (192) tokens on AVX-512 elsewhere: tiles of 12 rows
+//   dequantized into L1 a K slice at a time and multiplied into 16 tokens a vector
+//   (quant_fma.h).
+// - qmatmul, more tokens, elsewhere: the threads dequantize chunks of kTileRows rows each
 //   into a float32 buffer (about 1 MB a chunk), then at::mm multiplies the chunk by all
 //   tokens, writing in place into the output's columns.
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
@@ -32,6 +35,7 @@
 
 #include "quant_amx.h"
 #include "quant_blocks.h"
+#include "quant_fma.h"
 
 namespace {
 
@@ -162,6 +166,12 @@ void run(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n_
 #if defined(HISERVE_HAVE_AMX)
       if (amx_available() && amx_enabled().load()) {
         amx_matmul<Q>(xp, xs, x.size(0), w, row_bytes, n_len, k_len, yp, ys);
+        break;
+      }
+#endif
+#if defined(__AVX512F__)
+      if (x.size(0) <= kFmaMaxTokens) {
+        fma_matmul<Q>(xp, xs, x.size(0), w, row_bytes, n_len, k_len, yp, ys);
         break;
       }
 #endif
