@@ -3,13 +3,13 @@
 Random blocks of every packed type (Q8_0/Q4_0/Q4_1 quantized by ``gguf.quants.quantize``;
 the K-quants, which gguf-py cannot quantize, as random bytes with sane scales), checked
 against ``gguf.quants.dequantize`` followed by a float64 matmul: the register path (1-4
-tokens), the FMA tiles (5-192 tokens without AMX), the chunked path (more), odd row
+tokens), the FMA tiles (5-128 tokens without AMX), the chunked path (more), odd row
 counts, K not a multiple of the FMA tiles' slice, strided outputs. Tolerance: each output
 within 1e-5 of the sum of |w * x| over its row (float32 summation error, order aside).
 The same checks run on the build this CPU picks (AVX-512 here), with batches on its AMX
-tiles where the CPU has them (bf16 hi/lo split, csrc/quant_amx.h: the same tolerance) and
-on its float32 tiles, and on an AVX2 build forced by reporting an AVX2 CPU to the build
-flags.
+tiles where the CPU has them (bf16 hi/lo split, csrc/quant_amx.h: the same tolerance),
+without them, and with every batch pinned to the chunked path, and on an AVX2 build
+forced by reporting an AVX2 CPU to the build flags.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from engine.layers.quant_cpu import PACKED_TYPES, PackedWeight, QuantTensor
 from tests.unit.quant_blocks import random_blocks
 
 REL_TOL = 1e-5
+# The most tokens the FMA tiles take (csrc/quant_fma.h kFmaMaxTokens).
+FMA_MAX_TOKENS = 128
 
 
 def reference(blocks: np.ndarray, qtype: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,32 +49,37 @@ def _avx2_build(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 class _Path:
     """The native module with its batched path pinned for each call: ``amx`` on the AMX
-    tiles, or on the float32 tiles (the module switch is process-wide, and the tests of
-    this file run in random order)."""
+    tiles, or without them; ``fma_max`` tokens at most on the FMA tiles (0: every batch on
+    the chunked path). The module's switches are process-wide, and the tests of this file
+    run in random order."""
 
-    def __init__(self, module: Any, amx: bool) -> None:
-        self.module, self.amx = module, amx
+    def __init__(self, module: Any, amx: bool, fma_max: int = FMA_MAX_TOKENS) -> None:
+        self.module, self.amx, self.fma_max = module, amx, fma_max
 
     def qmatmul(self, *args: Any) -> None:
         before = self.module.set_amx(self.amx)
+        fma_before = self.module.set_fma_max_tokens(self.fma_max)
         try:
             self.module.qmatmul(*args)
         finally:
             self.module.set_amx(before)
+            self.module.set_fma_max_tokens(fma_before)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
 
 
-@pytest.fixture(scope="module", params=["native", "amx", "avx2"])
+@pytest.fixture(scope="module", params=["native", "amx", "chunked", "avx2"])
 def kernel(request: pytest.FixtureRequest) -> Any:
-    if request.param in ("native", "amx"):
+    if request.param in ("native", "amx", "chunked"):
         module = quant_cpu.quant_kernel()
         assert module is not None, quant_cpu.build_error()
         if torch.backends.cpu.get_cpu_capability() == "AVX512":
             assert module.ISA == "avx512"
         if request.param == "amx" and not module.AMX:
             pytest.skip("this CPU has no AMX (or the kernel refused its use)")
+        if request.param == "chunked":
+            return _Path(module, amx=False, fma_max=0)
         return _Path(module, amx=request.param == "amx")
     with pytest.MonkeyPatch.context() as monkeypatch:
         module = _avx2_build(monkeypatch)
@@ -107,9 +114,9 @@ def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> 
         kernel.dequantize(data, qtype, cols), torch.from_numpy(expected_w), rtol=1e-6, atol=1e-7
     )
     gen = torch.Generator().manual_seed(qtype)
-    # 1-4: the register path; 5-192: quant_fma.h without AMX; 193 and 300: the chunked
+    # 1-4: the register path; 5-128: the FMA tiles without AMX; 129 and 300: the chunked
     # at::mm path without AMX (300: AMX in two groups of tokens)
-    for tokens in (1, 2, 3, 4, 5, 16, 33, 192, 193, 300):
+    for tokens in (1, 2, 3, 4, 5, 16, 33, FMA_MAX_TOKENS, FMA_MAX_TOKENS + 1, 300):
         x = torch.randn(tokens, cols, generator=gen)
         want, scale = reference(blocks, qtype, x)
         wide = torch.full((tokens, rows + 9), float("nan"))

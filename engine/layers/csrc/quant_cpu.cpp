@@ -8,7 +8,7 @@
 //   bytes, 3.5-8.5 bits a weight instead of 32.
 // - qmatmul, larger M, on a CPU with AMX: bf16 tiles with a hi/lo split of both operands,
 //   float32 sums (quant_amx.h); the dequantize cost is paid once per call.
-// - qmatmul, up to kFmaMaxTokens (192) tokens on AVX-512 elsewhere: tiles of 12 rows
+// - qmatmul, up to kFmaMaxTokens (128) tokens on AVX-512 elsewhere: tiles of 12 rows
 //   dequantized into L1 a K slice at a time and multiplied into 16 tokens a vector
 //   (quant_fma.h).
 // - qmatmul, more tokens, elsewhere: the threads dequantize chunks of kTileRows rows each
@@ -170,7 +170,7 @@ void run(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n_
       }
 #endif
 #if defined(__AVX512F__)
-      if (x.size(0) <= kFmaMaxTokens) {
+      if (x.size(0) <= fma_max_tokens().load()) {
         fma_matmul<Q>(xp, xs, x.size(0), w, row_bytes, n_len, k_len, yp, ys);
         break;
       }
@@ -270,6 +270,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("AMX") = false;
   m.def("set_amx", [](bool) { return false; }, "no AMX in this build");
+#endif
+#if defined(__AVX512F__)
+  m.def("set_fma_max_tokens", [](int64_t n) { return fma_max_tokens().exchange(n); },
+        "the most tokens the FMA tiles take without AMX (0: off); returns the previous one");
+#else
+  m.def("set_fma_max_tokens", [](int64_t) { return int64_t{0}; }, "no FMA tiles in this build");
 #endif
 #if defined(__AVX512F__)
   m.attr("ISA") = "avx512";

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -30,7 +31,13 @@ namespace hiserve_quant {
 
 constexpr int kFmaRows = 12;          // weight rows per tile: 12 accumulators + x's vector
 constexpr int64_t kFmaSliceK = 256;   // weights per row per slice: 12 KB of rows in L1
-constexpr int64_t kFmaMaxTokens = 192;  // above this the chunked at::mm path is as fast
+constexpr int64_t kFmaMaxTokens = 128;  // beyond, the chunked at::mm path is about as fast
+
+// The most tokens this path takes (kFmaMaxTokens; 0 turns it off): for comparisons.
+inline std::atomic<int64_t>& fma_max_tokens() {
+  static std::atomic<int64_t> limit{kFmaMaxTokens};
+  return limit;
+}
 
 template <int Q>
 void fma_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w, int64_t row_bytes,
