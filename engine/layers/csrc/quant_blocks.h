@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -106,6 +106,46 @@ void dequant_block(const uint8_t* b, float* out) {
     }
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 builds: a block of Q8_0, Q4_0, Q4_1 or bf16 (the default model's and --dtype
+// bfloat16's types; ``avx2_vectors<Q>``) into v[0..3] (8 weights each). The K-quants keep
+// the scalar block code there.
+template <int Q>
+constexpr bool avx2_vectors() {
+  return Q == kQ8_0 || Q == kQ4_0 || Q == kQ4_1 || Q == kBF16;
+}
+
+inline __m256i widen8_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int Q>
+inline void dequant32_avx2(const uint8_t* b, __m256 v[4]) {
+  if constexpr (Q == kBF16) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(b);
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + i)), 16));
+  } else if constexpr (Q == kQ8_0) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+  } else if constexpr (Q == kQ4_0 || Q == kQ4_1) {
+    const float df = half_at(b);
+    const __m256 d = _mm256_set1_ps(df);
+    const __m256 m = _mm256_set1_ps(Q == kQ4_1 ? half_at(b + 2) : -8.f * df);
+    const uint8_t* qs = b + (Q == kQ4_1 ? 4 : 2);
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256i q0 = widen8_u8(qs), q1 = widen8_u8(qs + 8);
+    v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low4)), d, m);
+    v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, low4)), d, m);
+    v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), d, m);
+    v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), d, m);
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 // 16 bytes -> 16 int32 lanes.

@@ -8,17 +8,19 @@
 //   bytes, 3.5-8.5 bits a weight instead of 32.
 // - qmatmul, larger M, on a CPU with AMX: bf16 tiles with a hi/lo split of both operands,
 //   float32 sums (quant_amx.h); the dequantize cost is paid once per call.
-// - qmatmul, up to kFmaMaxTokens (128) tokens on AVX-512 elsewhere: tiles of 12 rows
-//   dequantized into L1 a K slice at a time and multiplied into 16 tokens a vector
-//   (quant_fma.h).
+// - qmatmul, up to kFmaMaxTokens (128) tokens elsewhere (AVX-512 or AVX2): tiles of 12
+//   rows dequantized into L1 a K slice at a time and multiplied into a vector of tokens
+//   at a time (quant_fma.h).
 // - qmatmul, more tokens, elsewhere: the threads dequantize chunks of kTileRows rows each
 //   into a float32 buffer (about 1 MB a chunk), then at::mm multiplies the chunk by all
 //   tokens, writing in place into the output's columns.
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
-// With AVX-512 the dequantize is vector code per 32-weight sub-block; without it (AVX2 or
-// scalar builds, see cpu_kernels._cflags) each block is dequantized to a float buffer by
-// the scalar code (quant_blocks.h) and the dot products are left to the compiler.
+// With AVX-512 the dequantize is vector code per 32-weight sub-block. AVX2 builds (see
+// cpu_kernels._cflags) have vector code for Q8_0, Q4_0, Q4_1 and bf16 (8 weights a
+// vector); there the K-quants, and every type in scalar builds, are dequantized a block
+// at a time to a float buffer by the scalar code (quant_blocks.h), the dot products left
+// to the compiler.
 // Both accumulate in float32; they differ from "dequantize, then float32 matmul" only in
 // the order of the sums. Layouts follow ggml's block structs (block_q4_0 ... block_q6_K).
 #include <torch/extension.h>
@@ -29,7 +31,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -64,6 +66,14 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k_len, int64_t n_
         _mm512_storeu_ps(out + bi * kBlock + sub * 32, lo);
         _mm512_storeu_ps(out + bi * kBlock + sub * 32 + 16, hi);
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (avx2_vectors<Q>()) {
+        __m256 v[4];
+        dequant32_avx2<Q>(row + bi * kBytes, v);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + bi * kBlock + 8 * i, v[i]);
+      } else {
+        dequant_block<Q>(row + bi * kBytes, out + bi * kBlock);
+      }
 #else
       dequant_block<Q>(row + bi * kBytes, out + bi * kBlock);
 #endif
@@ -79,7 +89,7 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
   const int64_t blocks = k_len / kBlock;
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * row_bytes;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     // NOTE: the rows stream from memory once per step; the hardware prefetcher alone
     // left this loop waiting on them (5 GB/s of a 25 GB/s stream). Ask for the row
     // kPrefetchRows ahead while this one is unpacked.
@@ -87,6 +97,8 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
       const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes);
       for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
+#endif
+#if defined(__AVX512F__)
     // Two accumulators per token (low and high half of each sub-block): two FMA chains.
     __m512 acc_lo[M], acc_hi[M];
     for (int m = 0; m < M; ++m) acc_lo[m] = acc_hi[m] = _mm512_setzero_ps();
@@ -105,19 +117,52 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
     for (int m = 0; m < M; ++m)
       y[m * ys + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[m], acc_hi[m]));
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (avx2_vectors<Q>()) {  // 32-weight blocks dequantized in registers
+      __m256 acc0[M], acc1[M];
+      for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+      for (int64_t bi = 0; bi < blocks; ++bi) {
+        __m256 v[4];
+        dequant32_avx2<Q>(row + bi * kBytes, v);
+        const float* xk = x + bi * kBlock;
+        for (int m = 0; m < M; ++m) {
+          const float* xm = xk + m * xs;
+          acc0[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), acc0[m]);
+          acc1[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), acc1[m]);
+          acc0[m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), acc0[m]);
+          acc1[m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), acc1[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, _mm256_add_ps(acc0[m], acc1[m]));
+        float s = 0.f;
+        for (float lane : lanes) s += lane;
+        y[m * ys + n] = s;
+      }
+      continue;
+    }
+#endif
+    // NOTE: one vector sum per token across the row's blocks, reduced once at its end: a
+    // reduction per block (every 32 weights) cost more than the dot products.
+    constexpr int kLanes = 32;
     float buf[kBlock];
-    float sum[M] = {};
+    float acc[M][kLanes] = {};
     for (int64_t bi = 0; bi < blocks; ++bi) {
       dequant_block<Q>(row + bi * kBytes, buf);
       for (int m = 0; m < M; ++m) {
         const float* xk = x + m * xs + bi * kBlock;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int i = 0; i < kBlock; ++i) s += buf[i] * xk[i];
-        sum[m] += s;
+        for (int j = 0; j < kBlock; j += kLanes) {
+#pragma omp simd
+          for (int i = 0; i < kLanes; ++i) acc[m][i] += buf[j + i] * xk[j + i];
+        }
       }
     }
-    for (int m = 0; m < M; ++m) y[m * ys + n] = sum[m];
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int i = 0; i < kLanes; ++i) s += acc[m][i];
+      y[m * ys + n] = s;
+    }
 #endif
   }
 }
@@ -169,7 +214,7 @@ void run(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n_
         break;
       }
 #endif
-#if defined(__AVX512F__)
+#if defined(HISERVE_HAVE_FMA_TILES)
       if (x.size(0) <= fma_max_tokens().load()) {
         fma_matmul<Q>(xp, xs, x.size(0), w, row_bytes, n_len, k_len, yp, ys);
         break;
@@ -271,7 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("AMX") = false;
   m.def("set_amx", [](bool) { return false; }, "no AMX in this build");
 #endif
-#if defined(__AVX512F__)
+#if defined(HISERVE_HAVE_FMA_TILES)
   m.def("set_fma_max_tokens", [](int64_t n) { return fma_max_tokens().exchange(n); },
         "the most tokens the FMA tiles take without AMX (0: off); returns the previous one");
 #else

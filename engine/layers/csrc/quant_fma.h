@@ -1,5 +1,6 @@
 // The packed matmul for a decode batch (5 to kFmaMaxTokens tokens) on AVX-512 CPUs
-// without AMX, or with it switched off: y[M, N] = x[M, K] @ W[N, K]^T in float32.
+// without AMX (or with it switched off) and on AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T
+// in float32.
 // Included by quant_cpu.cpp, not built alone.
 //
 // Why: the chunked path (dequantize ~1 MB of rows to float32, then at::mm) writes and
@@ -7,15 +8,17 @@
 // than the matmul itself (a 1536 x 576 Q4_1 weight: 0.6 ms at 8 tokens where a dense
 // float32 matmul takes 0.23 ms). Here the dequantized rows never leave L1: each thread
 // takes tiles of kFmaRows weight rows, dequantizes a K slice of them (12 rows x 256
-// weights, 12 KB) with the register path's dequant32, and multiplies it into the tokens,
-// 16 tokens a vector: for each k, one load of x^T[k, 16 tokens] and one FMA per row with
-// the row's weight broadcast. An accumulator holds y^T for one row and 16 tokens, so no
-// horizontal sums; each slice is summed apart and then added (float32, order aside the
-// same as dequantize-then-matmul). The tokens pass once per slice per tile, so x^T
-// ([K, M rounded up to 16], zero-padded) is built once per call.
+// weights, 12 KB) with the register path's dequantize, and multiplies it into the
+// tokens, a vector of them at a time (16 with AVX-512, 8 with AVX2): for each k, one load
+// of x^T[k, those tokens] and one FMA per row with the row's weight broadcast. An
+// accumulator holds y^T for one row and a vector of tokens, so no horizontal sums; each
+// slice is summed apart and then added (float32, order aside the same as
+// dequantize-then-matmul). The tokens pass once per slice per tile, so x^T ([K, M rounded
+// up to a vector], zero-padded) is built once per call.
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define HISERVE_HAVE_FMA_TILES 1
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,11 +42,57 @@ inline std::atomic<int64_t>& fma_max_tokens() {
   return limit;
 }
 
+// One vector of tokens: 16 with AVX-512, 8 with AVX2.
+#if defined(__AVX512F__)
+using FmaVec = __m512;
+constexpr int kFmaLanes = 16;
+inline FmaVec fma_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void fma_store(float* p, FmaVec v) { _mm512_storeu_ps(p, v); }
+inline FmaVec fma_zero() { return _mm512_setzero_ps(); }
+inline FmaVec fma_splat(float v) { return _mm512_set1_ps(v); }
+inline FmaVec fma_madd(FmaVec a, FmaVec b, FmaVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline FmaVec fma_add(FmaVec a, FmaVec b) { return _mm512_add_ps(a, b); }
+#else
+using FmaVec = __m256;
+constexpr int kFmaLanes = 8;
+inline FmaVec fma_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void fma_store(float* p, FmaVec v) { _mm256_storeu_ps(p, v); }
+inline FmaVec fma_zero() { return _mm256_setzero_ps(); }
+inline FmaVec fma_splat(float v) { return _mm256_set1_ps(v); }
+inline FmaVec fma_madd(FmaVec a, FmaVec b, FmaVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline FmaVec fma_add(FmaVec a, FmaVec b) { return _mm256_add_ps(a, b); }
+#endif
+
+// Weights [k0, k0 + k_n) of one row (block-aligned) to float32 at dst.
+template <int Q>
+inline void dequant_slice(const uint8_t* row, int64_t k0, int64_t k_n, float* dst) {
+  constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
+  for (int64_t bi = k0 / kBlock; bi < (k0 + k_n) / kBlock; ++bi) {
+    float* out = dst + bi * kBlock - k0;
+#if defined(__AVX512F__)
+    for (int sub = 0; sub < kBlock / 32; ++sub) {
+      __m512 lo, hi;
+      dequant32<Q>(row + bi * kBytes, sub, lo, hi);
+      _mm512_storeu_ps(out + sub * 32, lo);
+      _mm512_storeu_ps(out + sub * 32 + 16, hi);
+    }
+#else
+    if constexpr (avx2_vectors<Q>()) {
+      __m256 v[4];
+      dequant32_avx2<Q>(row + bi * kBytes, v);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
+    } else {
+      dequant_block<Q>(row + bi * kBytes, out);
+    }
+#endif
+  }
+}
+
 template <int Q>
 void fma_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w, int64_t row_bytes,
                 int64_t n_len, int64_t k_len, float* y, int64_t ys) {
-  constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
-  const int64_t m_pad = (m_len + 15) / 16 * 16, groups = m_pad / 16;
+  constexpr int kBlock = block_len<Q>(), kL = kFmaLanes;
+  const int64_t m_pad = (m_len + kL - 1) / kL * kL, groups = m_pad / kL;
   const int64_t slice = std::max<int64_t>(kBlock, kFmaSliceK / kBlock * kBlock);
   std::vector<float> xt(static_cast<size_t>(k_len * m_pad), 0.f);  // [K, m_pad]
   for (int64_t m = 0; m < m_len; ++m)
@@ -51,7 +100,7 @@ void fma_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w, int
   const int64_t tiles = (n_len + kFmaRows - 1) / kFmaRows;
   at::parallel_for(0, tiles, 1, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> rows_buf(static_cast<size_t>(kFmaRows * slice));
-    std::vector<float> sums(static_cast<size_t>(groups * kFmaRows * 16));  // y^T per group
+    std::vector<float> sums(static_cast<size_t>(groups * kFmaRows * kL));  // y^T per group
     float* buf = rows_buf.data();
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t n0 = t * kFmaRows, rows = std::min<int64_t>(kFmaRows, n_len - n0);
@@ -59,43 +108,34 @@ void fma_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w, int
       for (int64_t k0 = 0; k0 < k_len; k0 += slice) {
         const int64_t k_n = std::min(slice, k_len - k0);
         for (int r = 0; r < kFmaRows; ++r) {  // rows past the end multiply as zeros
-          float* dst = buf + r * slice;
-          if (r >= rows) {
-            std::fill(dst, dst + k_n, 0.f);
-            continue;
+          if (r < rows) {
+            dequant_slice<Q>(w + (n0 + r) * row_bytes, k0, k_n, buf + r * slice);
+          } else {
+            std::fill(buf + r * slice, buf + r * slice + k_n, 0.f);
           }
-          const uint8_t* row = w + (n0 + r) * row_bytes;
-          for (int64_t bi = k0 / kBlock; bi < (k0 + k_n) / kBlock; ++bi)
-            for (int sub = 0; sub < kBlock / 32; ++sub) {
-              __m512 lo, hi;
-              dequant32<Q>(row + bi * kBytes, sub, lo, hi);
-              float* out = dst + bi * kBlock - k0 + sub * 32;
-              _mm512_storeu_ps(out, lo);
-              _mm512_storeu_ps(out + 16, hi);
-            }
         }
         for (int64_t g = 0; g < groups; ++g) {
-          __m512 acc[kFmaRows];
-          for (int r = 0; r < kFmaRows; ++r) acc[r] = _mm512_setzero_ps();
-          const float* xg = xt.data() + k0 * m_pad + g * 16;
+          FmaVec acc[kFmaRows];
+          for (int r = 0; r < kFmaRows; ++r) acc[r] = fma_zero();
+          const float* xg = xt.data() + k0 * m_pad + g * kL;
           for (int64_t kk = 0; kk < k_n; ++kk) {
-            const __m512 xv = _mm512_loadu_ps(xg + kk * m_pad);
+            const FmaVec xv = fma_load(xg + kk * m_pad);
             for (int r = 0; r < kFmaRows; ++r)
-              acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(buf[r * slice + kk]), xv, acc[r]);
+              acc[r] = fma_madd(fma_splat(buf[r * slice + kk]), xv, acc[r]);
           }
-          float* s = sums.data() + g * kFmaRows * 16;
+          float* s = sums.data() + g * kFmaRows * kL;
           for (int r = 0; r < kFmaRows; ++r)
-            _mm512_storeu_ps(s + r * 16, _mm512_add_ps(_mm512_loadu_ps(s + r * 16), acc[r]));
+            fma_store(s + r * kL, fma_add(fma_load(s + r * kL), acc[r]));
         }
       }
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t lane = 0; lane < 16 && g * 16 + lane < m_len; ++lane)
-            y[(g * 16 + lane) * ys + n0 + r] = sums[(g * kFmaRows + r) * 16 + lane];
+          for (int64_t lane = 0; lane < kL && g * kL + lane < m_len; ++lane)
+            y[(g * kL + lane) * ys + n0 + r] = sums[(g * kFmaRows + r) * kL + lane];
     }
   });
 }
 
 }  // namespace hiserve_quant
 
-#endif  // __AVX512F__
+#endif  // HISERVE_HAVE_FMA_TILES
