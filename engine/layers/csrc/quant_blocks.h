@@ -108,20 +108,23 @@ void dequant_block(const uint8_t* b, float* out) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// AVX2 builds: a block of Q8_0, Q4_0, Q4_1 or bf16 (the default model's and --dtype
-// bfloat16's types; ``avx2_vectors<Q>``) into v[0..3] (8 weights each). The K-quants keep
-// the scalar block code there.
-template <int Q>
-constexpr bool avx2_vectors() {
-  return Q == kQ8_0 || Q == kQ4_0 || Q == kQ4_1 || Q == kBF16;
-}
-
+// AVX2 builds: sub-block ``sub`` (32 weights) of block ``b`` into v[0..3] (8 weights each),
+// the same arithmetic as dequant32 below.
 inline __m256i widen8_u8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
+// Where a whole block goes to memory (the FMA tiles, the chunked path), Q4_K and Q5_K
+// are faster through dequant_block, which the compiler vectorizes with its shifts
+// unrolled (3072 x 1024, 32 tokens: 1.7 against 2.5 ms); into registers, this is faster.
 template <int Q>
-inline void dequant32_avx2(const uint8_t* b, __m256 v[4]) {
+constexpr bool avx2_whole_block() {
+  return Q == kQ4_K || Q == kQ5_K;
+}
+
+template <int Q>
+inline void dequant32_avx2(const uint8_t* b, int sub, __m256 v[4]) {
+  const __m256i low4 = _mm256_set1_epi32(15);
   if constexpr (Q == kBF16) {
     const __m128i* p = reinterpret_cast<const __m128i*>(b);
     for (int i = 0; i < 4; ++i)
@@ -137,12 +140,42 @@ inline void dequant32_avx2(const uint8_t* b, __m256 v[4]) {
     const __m256 d = _mm256_set1_ps(df);
     const __m256 m = _mm256_set1_ps(Q == kQ4_1 ? half_at(b + 2) : -8.f * df);
     const uint8_t* qs = b + (Q == kQ4_1 ? 4 : 2);
-    const __m256i low4 = _mm256_set1_epi32(15);
     const __m256i q0 = widen8_u8(qs), q1 = widen8_u8(qs + 8);
     v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low4)), d, m);
     v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, low4)), d, m);
     v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), d, m);
     v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), d, m);
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    int sc, mn;
+    scale_min_k4(b + 4, sub, sc, mn);
+    const __m256 ds = _mm256_set1_ps(half_at(b) * static_cast<float>(sc));
+    const __m256 neg_dm = _mm256_set1_ps(-half_at(b + 2) * static_cast<float>(mn));
+    const uint8_t* q = b + (Q == kQ5_K ? 48 : 16) + 32 * (sub / 2);
+    const __m128i shift = _mm_cvtsi32_si128((sub & 1) * 4);
+    for (int i = 0; i < 4; ++i) {
+      __m256i vi = _mm256_and_si256(_mm256_srl_epi32(widen8_u8(q + 8 * i), shift), low4);
+      if constexpr (Q == kQ5_K) {
+        const __m256i bit = _mm256_and_si256(
+            _mm256_srl_epi32(widen8_u8(b + 16 + 8 * i), _mm_cvtsi32_si128(sub)), _mm256_set1_epi32(1));
+        vi = _mm256_or_si256(vi, _mm256_slli_epi32(bit, 4));
+      }
+      v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vi), ds, neg_dm);
+    }
+  } else {  // Q6_K
+    const int h = sub / 4, u = sub % 4;
+    const uint8_t* ql = b + 64 * h + 32 * (u % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    const __m128i lshift = _mm_cvtsi32_si128(4 * (u / 2)), hshift = _mm_cvtsi32_si128(2 * u);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(widen8_u8(ql + 8 * i), lshift), low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(widen8_u8(qh + 8 * i), hshift), three);
+      const __m256i vi = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
+      const float scale = d * static_cast<float>(sc[2 * sub + i / 2]);
+      v[i] = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(vi));
+    }
   }
 }
 #endif

@@ -16,11 +16,10 @@
 //   tokens, writing in place into the output's columns.
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
-// With AVX-512 the dequantize is vector code per 32-weight sub-block. AVX2 builds (see
-// cpu_kernels._cflags) have vector code for Q8_0, Q4_0, Q4_1 and bf16 (8 weights a
-// vector); there the K-quants, and every type in scalar builds, are dequantized a block
-// at a time to a float buffer by the scalar code (quant_blocks.h), the dot products left
-// to the compiler.
+// With AVX-512 the dequantize is vector code per 32-weight sub-block, 16 weights a
+// vector; AVX2 builds (see cpu_kernels._cflags) run the same at 8 a vector. Scalar builds
+// dequantize a block at a time to a float buffer by the scalar code (quant_blocks.h) and
+// leave the dot products to the compiler.
 // Both accumulate in float32; they differ from "dequantize, then float32 matmul" only in
 // the order of the sums. Layouts follow ggml's block structs (block_q4_0 ... block_q6_K).
 #include <torch/extension.h>
@@ -67,12 +66,14 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k_len, int64_t n_
         _mm512_storeu_ps(out + bi * kBlock + sub * 32 + 16, hi);
       }
 #elif defined(__AVX2__) && defined(__FMA__)
-      if constexpr (avx2_vectors<Q>()) {
-        __m256 v[4];
-        dequant32_avx2<Q>(row + bi * kBytes, v);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + bi * kBlock + 8 * i, v[i]);
-      } else {
+      if constexpr (avx2_whole_block<Q>()) {
         dequant_block<Q>(row + bi * kBytes, out + bi * kBlock);
+      } else {
+        for (int sub = 0; sub < kBlock / 32; ++sub) {
+          __m256 v[4];
+          dequant32_avx2<Q>(row + bi * kBytes, sub, v);
+          for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + bi * kBlock + sub * 32 + 8 * i, v[i]);
+        }
       }
 #else
       dequant_block<Q>(row + bi * kBytes, out + bi * kBlock);
@@ -116,21 +117,22 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
     }
     for (int m = 0; m < M; ++m)
       y[m * ys + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[m], acc_hi[m]));
-#else
-#if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (avx2_vectors<Q>()) {  // 32-weight blocks dequantized in registers
+#elif defined(__AVX2__) && defined(__FMA__)
+    {  // dequantized in registers, 32 weights at a time
       __m256 acc0[M], acc1[M];
       for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
       for (int64_t bi = 0; bi < blocks; ++bi) {
-        __m256 v[4];
-        dequant32_avx2<Q>(row + bi * kBytes, v);
-        const float* xk = x + bi * kBlock;
-        for (int m = 0; m < M; ++m) {
-          const float* xm = xk + m * xs;
-          acc0[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), acc0[m]);
-          acc1[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), acc1[m]);
-          acc0[m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), acc0[m]);
-          acc1[m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), acc1[m]);
+        for (int sub = 0; sub < kBlock / 32; ++sub) {
+          __m256 v[4];
+          dequant32_avx2<Q>(row + bi * kBytes, sub, v);
+          const float* xk = x + bi * kBlock + sub * 32;
+          for (int m = 0; m < M; ++m) {
+            const float* xm = xk + m * xs;
+            acc0[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), acc0[m]);
+            acc1[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), acc1[m]);
+            acc0[m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), acc0[m]);
+            acc1[m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), acc1[m]);
+          }
         }
       }
       for (int m = 0; m < M; ++m) {
@@ -140,9 +142,8 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
         for (float lane : lanes) s += lane;
         y[m * ys + n] = s;
       }
-      continue;
     }
-#endif
+#else
     // NOTE: one vector sum per token across the row's blocks, reduced once at its end: a
     // reduction per block (every 32 weights) cost more than the dot products.
     constexpr int kLanes = 32;

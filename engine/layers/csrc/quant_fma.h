@@ -77,12 +77,14 @@ inline void dequant_slice(const uint8_t* row, int64_t k0, int64_t k_n, float* ds
       _mm512_storeu_ps(out + sub * 32 + 16, hi);
     }
 #else
-    if constexpr (avx2_vectors<Q>()) {
-      __m256 v[4];
-      dequant32_avx2<Q>(row + bi * kBytes, v);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
-    } else {
+    if constexpr (avx2_whole_block<Q>()) {
       dequant_block<Q>(row + bi * kBytes, out);
+    } else {
+      for (int sub = 0; sub < kBlock / 32; ++sub) {
+        __m256 v[4];
+        dequant32_avx2<Q>(row + bi * kBytes, sub, v);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + sub * 32 + 8 * i, v[i]);
+      }
     }
 #endif
   }
