@@ -1,6 +1,7 @@
 // GGUF block formats (ggml's block_q4_0 ... block_q6_K, and plain bf16 taken 32 weights
-// at a time): sizes, and a block (or a 32-weight sub-block, with AVX-512) to float32.
-// Included by the packed-weight kernels (quant_cpu.cpp, quant_amx.h), not built alone.
+// at a time): sizes, and a block (or a 32-weight sub-block, with AVX-512 or AVX2) to
+// float32. Included by the packed-weight kernels (quant_cpu.cpp, quant_amx.h,
+// quant_fma.h), not built alone.
 // NOTE: cpu_kernels.NativeExtension hashes every header here into each extension's name.
 #pragma once
 
