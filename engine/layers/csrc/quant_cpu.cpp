@@ -57,28 +57,8 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k_len, int64_t n_
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * row_bytes;
     float* out = dst + (n - n_begin) * k_len;
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-#if defined(__AVX512F__)
-      for (int sub = 0; sub < kBlock / 32; ++sub) {
-        __m512 lo, hi;
-        dequant32<Q>(row + bi * kBytes, sub, lo, hi);
-        _mm512_storeu_ps(out + bi * kBlock + sub * 32, lo);
-        _mm512_storeu_ps(out + bi * kBlock + sub * 32 + 16, hi);
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      if constexpr (avx2_whole_block<Q>()) {
-        dequant_block<Q>(row + bi * kBytes, out + bi * kBlock);
-      } else {
-        for (int sub = 0; sub < kBlock / 32; ++sub) {
-          __m256 v[4];
-          dequant32_avx2<Q>(row + bi * kBytes, sub, v);
-          for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + bi * kBlock + sub * 32 + 8 * i, v[i]);
-        }
-      }
-#else
-      dequant_block<Q>(row + bi * kBytes, out + bi * kBlock);
-#endif
-    }
+    for (int64_t bi = 0; bi < blocks; ++bi)
+      dequant_block_to<Q>(row + bi * kBytes, out + bi * kBlock);
   }
 }
 
@@ -144,26 +124,19 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
       }
     }
 #else
-    // NOTE: one vector sum per token across the row's blocks, reduced once at its end: a
-    // reduction per block (every 32 weights) cost more than the dot products.
-    constexpr int kLanes = 32;
     float buf[kBlock];
-    float acc[M][kLanes] = {};
+    float sum[M] = {};
     for (int64_t bi = 0; bi < blocks; ++bi) {
       dequant_block<Q>(row + bi * kBytes, buf);
       for (int m = 0; m < M; ++m) {
         const float* xk = x + m * xs + bi * kBlock;
-        for (int j = 0; j < kBlock; j += kLanes) {
-#pragma omp simd
-          for (int i = 0; i < kLanes; ++i) acc[m][i] += buf[j + i] * xk[j + i];
-        }
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int i = 0; i < kBlock; ++i) s += buf[i] * xk[i];
+        sum[m] += s;
       }
     }
-    for (int m = 0; m < M; ++m) {
-      float s = 0.f;
-      for (int i = 0; i < kLanes; ++i) s += acc[m][i];
-      y[m * ys + n] = s;
-    }
+    for (int m = 0; m < M; ++m) y[m * ys + n] = sum[m];
 #endif
   }
 }

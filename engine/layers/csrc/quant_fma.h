@@ -63,37 +63,10 @@ inline FmaVec fma_madd(FmaVec a, FmaVec b, FmaVec c) { return _mm256_fmadd_ps(a,
 inline FmaVec fma_add(FmaVec a, FmaVec b) { return _mm256_add_ps(a, b); }
 #endif
 
-// Weights [k0, k0 + k_n) of one row (block-aligned) to float32 at dst.
-template <int Q>
-inline void dequant_slice(const uint8_t* row, int64_t k0, int64_t k_n, float* dst) {
-  constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
-  for (int64_t bi = k0 / kBlock; bi < (k0 + k_n) / kBlock; ++bi) {
-    float* out = dst + bi * kBlock - k0;
-#if defined(__AVX512F__)
-    for (int sub = 0; sub < kBlock / 32; ++sub) {
-      __m512 lo, hi;
-      dequant32<Q>(row + bi * kBytes, sub, lo, hi);
-      _mm512_storeu_ps(out + sub * 32, lo);
-      _mm512_storeu_ps(out + sub * 32 + 16, hi);
-    }
-#else
-    if constexpr (avx2_whole_block<Q>()) {
-      dequant_block<Q>(row + bi * kBytes, out);
-    } else {
-      for (int sub = 0; sub < kBlock / 32; ++sub) {
-        __m256 v[4];
-        dequant32_avx2<Q>(row + bi * kBytes, sub, v);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + sub * 32 + 8 * i, v[i]);
-      }
-    }
-#endif
-  }
-}
-
 template <int Q>
 void fma_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w, int64_t row_bytes,
                 int64_t n_len, int64_t k_len, float* y, int64_t ys) {
-  constexpr int kBlock = block_len<Q>(), kL = kFmaLanes;
+  constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>(), kL = kFmaLanes;
   const int64_t m_pad = (m_len + kL - 1) / kL * kL, groups = m_pad / kL;
   const int64_t slice = std::max<int64_t>(kBlock, kFmaSliceK / kBlock * kBlock);
   std::vector<float> xt(static_cast<size_t>(k_len * m_pad), 0.f);  // [K, m_pad]
@@ -111,7 +84,9 @@ void fma_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w, int
         const int64_t k_n = std::min(slice, k_len - k0);
         for (int r = 0; r < kFmaRows; ++r) {  // rows past the end multiply as zeros
           if (r < rows) {
-            dequant_slice<Q>(w + (n0 + r) * row_bytes, k0, k_n, buf + r * slice);
+            const uint8_t* row = w + (n0 + r) * row_bytes;
+            for (int64_t bi = k0 / kBlock; bi < (k0 + k_n) / kBlock; ++bi)
+              dequant_block_to<Q>(row + bi * kBytes, buf + r * slice + bi * kBlock - k0);
           } else {
             std::fill(buf + r * slice, buf + r * slice + k_n, 0.f);
           }
