@@ -26,8 +26,6 @@ from engine.layers.quant_cpu import PACKED_TYPES, PackedWeight, QuantTensor
 from tests.unit.quant_blocks import random_blocks
 
 REL_TOL = 1e-5
-# The most tokens the FMA tiles take (csrc/quant_fma.h kFmaMaxTokens).
-FMA_MAX_TOKENS = 128
 
 
 def reference(blocks: np.ndarray, qtype: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +51,9 @@ class _Path:
     the chunked path). The module's switches are process-wide, and the tests of this file
     run in random order."""
 
-    def __init__(self, module: Any, amx: bool, fma_max: int = FMA_MAX_TOKENS) -> None:
-        self.module, self.amx, self.fma_max = module, amx, fma_max
+    def __init__(self, module: Any, amx: bool, fma_max: int | None = None) -> None:
+        self.module, self.amx = module, amx
+        self.fma_max = module.FMA_MAX_TOKENS if fma_max is None else fma_max
 
     def qmatmul(self, *args: Any) -> None:
         before = self.module.set_amx(self.amx)
@@ -116,7 +115,8 @@ def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> 
     gen = torch.Generator().manual_seed(qtype)
     # 1-4: the register path; 5-128: the FMA tiles without AMX; 129 and 300: the chunked
     # at::mm path without AMX (300: AMX in two groups of tokens)
-    for tokens in (1, 2, 3, 4, 5, 16, 33, FMA_MAX_TOKENS, FMA_MAX_TOKENS + 1, 300):
+    fma_max = kernel.FMA_MAX_TOKENS
+    for tokens in (1, 2, 3, 4, 5, 16, 33, fma_max, fma_max + 1, 300):
         x = torch.randn(tokens, cols, generator=gen)
         want, scale = reference(blocks, qtype, x)
         wide = torch.full((tokens, rows + 9), float("nan"))

@@ -291,9 +291,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx", [](bool) { return false; }, "no AMX in this build");
 #endif
 #if defined(HISERVE_HAVE_FMA_TILES)
+  m.attr("FMA_MAX_TOKENS") = kFmaMaxTokens;
   m.def("set_fma_max_tokens", [](int64_t n) { return fma_max_tokens().exchange(n); },
         "the most tokens the FMA tiles take without AMX (0: off); returns the previous one");
 #else
+  m.attr("FMA_MAX_TOKENS") = 0;
   m.def("set_fma_max_tokens", [](int64_t) { return int64_t{0}; }, "no FMA tiles in this build");
 #endif
 #if defined(__AVX512F__)
