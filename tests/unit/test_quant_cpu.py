@@ -144,6 +144,25 @@ def test_kernel_takes_k_past_a_whole_slice(kernel: Any, qtype: int) -> None:
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype)
 
 
+@pytest.mark.parametrize("qtype", [q for q in sorted(PACKED_TYPES) if PACKED_TYPES[q][1] == 32])
+@pytest.mark.parametrize("blocks", [1, 9, 16, 18, 33])
+def test_register_path_takes_any_block_count_and_row_count(
+    kernel: Any, qtype: int, blocks: int
+) -> None:
+    # The register path converts the scales of 16 blocks at a time (a shorter run at a
+    # row's end) and takes 4 rows at a time (2 for 3-4 tokens), one at a time at the end:
+    # 13 rows leave one over either way; K=576 (18 blocks) is the default model's.
+    rows, cols = 13, blocks * 32
+    data = random_blocks(qtype, rows, cols, seed=qtype + blocks)
+    gen = torch.Generator().manual_seed(blocks)
+    for tokens in (1, 2, 3, 4):
+        x = torch.randn(tokens, cols, generator=gen)
+        want, scale = reference(data, qtype, x)
+        out = torch.empty(tokens, rows)
+        kernel.qmatmul(x, torch.from_numpy(data), qtype, out)
+        assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype, blocks)
+
+
 def test_bad_arguments_are_refused(kernel: Any) -> None:
     data = torch.from_numpy(random_blocks(3, 4, 64, seed=1))  # Q4_1, row_bytes 40
     out = torch.empty(1, 4)

@@ -189,6 +189,27 @@ inline __m512i widen_u8(const uint8_t* p) {
 
 inline __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
 
+// 0, 1, ..., 15 as floats.
+inline __m512 iota16() {
+  return _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
+                        14.f, 15.f);
+}
+
+// The 16 values a 4-bit quant can dequantize to, scale * q + offset for q = 0..15: the
+// same fused multiply-add as converting each quant and scaling it, so the same floats.
+// NOTE: a block's (or sub-block's) weights are then picked from this table by vpermps,
+// which reads only the low 4 bits of each lane: no mask and no int-to-float conversion
+// per weight (two of the five vector instructions that unpacked 16 weights).
+inline __m512 nibble_table(__m512 scale, __m512 offset) {
+  return _mm512_fmadd_ps(iota16(), scale, offset);
+}
+
+// Weights 0..15 (the low nibbles of 16 bytes widened to lanes) and 16..31 (the high ones).
+inline void nibbles_from_table(__m512i bytes, __m512 table, __m512& lo, __m512& hi) {
+  lo = _mm512_permutexvar_ps(bytes, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
 // Sub-block ``sub`` (32 weights) of block ``b`` into lo (weights 0..15) and hi (16..31).
 template <int Q>
 inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
@@ -204,28 +225,38 @@ inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
     hi = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
   } else if constexpr (Q == kQ4_0 || Q == kQ4_1) {
     const float df = half_at(b);
-    const __m512 d = _mm512_set1_ps(df);
-    const __m512 m = _mm512_set1_ps(Q == kQ4_1 ? half_at(b + 2) : -8.f * df);
-    const __m512i v = widen_u8(b + (Q == kQ4_1 ? 4 : 2));
-    lo = _mm512_fmadd_ps(to_float(_mm512_and_si512(v, low4)), d, m);
-    hi = _mm512_fmadd_ps(to_float(_mm512_srli_epi32(v, 4)), d, m);
-  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    const __m512 table = nibble_table(_mm512_set1_ps(df),
+                                      _mm512_set1_ps(Q == kQ4_1 ? half_at(b + 2) : -8.f * df));
+    nibbles_from_table(widen_u8(b + (Q == kQ4_1 ? 4 : 2)), table, lo, hi);
+  } else if constexpr (Q == kQ4_K) {
+    int sc, mn;
+    scale_min_k4(b + 4, sub, sc, mn);
+    const __m512 table = nibble_table(_mm512_set1_ps(half_at(b) * static_cast<float>(sc)),
+                                      _mm512_set1_ps(-half_at(b + 2) * static_cast<float>(mn)));
+    const uint8_t* q = b + 16 + 32 * (sub / 2);
+    const int shift = (sub & 1) * 4;  // vpermps reads the 4 bits this brings down
+    lo = _mm512_permutexvar_ps(_mm512_srli_epi32(widen_u8(q), shift), table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(widen_u8(q + 16), shift), table);
+  } else if constexpr (Q == kQ5_K) {
     int sc, mn;
     scale_min_k4(b + 4, sub, sc, mn);
     const __m512 ds = _mm512_set1_ps(half_at(b) * static_cast<float>(sc));
     const __m512 neg_dm = _mm512_set1_ps(-half_at(b + 2) * static_cast<float>(mn));
-    const uint8_t* q = b + (Q == kQ5_K ? 48 : 16) + 32 * (sub / 2);
+    // The 32 values of a 5-bit quant in two tables; vpermt2ps reads 5 index bits: the
+    // nibble (bits 0-3) and the fifth bit from qh, rotated from bit ``sub`` to bit 4.
+    const __m512 t0 = nibble_table(ds, neg_dm);
+    const __m512 t1 = _mm512_fmadd_ps(_mm512_add_ps(iota16(), _mm512_set1_ps(16.f)), ds, neg_dm);
+    const uint8_t* q = b + 48 + 32 * (sub / 2);
+    const uint8_t* qh = b + 16;
     const int shift = (sub & 1) * 4;
-    __m512i v0 = _mm512_and_si512(_mm512_srli_epi32(widen_u8(q), shift), low4);
-    __m512i v1 = _mm512_and_si512(_mm512_srli_epi32(widen_u8(q + 16), shift), low4);
-    if constexpr (Q == kQ5_K) {
-      const __m512i bit = _mm512_set1_epi32(1);
-      const uint8_t* qh = b + 16;
-      v0 = _mm512_or_si512(v0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh), sub), bit), 4));
-      v1 = _mm512_or_si512(v1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh + 16), sub), bit), 4));
-    }
-    lo = _mm512_fmadd_ps(to_float(v0), ds, neg_dm);
-    hi = _mm512_fmadd_ps(to_float(v1), ds, neg_dm);
+    const __m512i rot = _mm512_set1_epi32((4 - sub) & 31);
+    const auto index = [&](int half) {  // (nibble & 15) | (fifth bit at bit 4), bits above ignored
+      return _mm512_ternarylogic_epi32(_mm512_srli_epi32(widen_u8(q + 16 * half), shift),
+                                       _mm512_rolv_epi32(widen_u8(qh + 16 * half), rot), low4,
+                                       0xE4);  // (a & c) | (b & ~c)
+    };
+    lo = _mm512_permutex2var_ps(t0, index(0), t1);
+    hi = _mm512_permutex2var_ps(t0, index(1), t1);
   } else {  // Q6_K
     const int h = sub / 4, u = sub % 4;
     const uint8_t* ql = b + 64 * h + 32 * (u % 2);
