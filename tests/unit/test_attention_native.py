@@ -24,15 +24,17 @@ def kernel():
     return module
 
 
-def decode_case(kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 16):
+def decode_case(
+    kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 16, slots: int = 400
+):
     """A pool with scattered slots per sequence, its request table, and metadata."""
     gen = torch.Generator().manual_seed(seed)
     layers = 2
-    pool = DeviceKVPool(layers, 400, kv_heads, head_dim, torch.float32, "cpu")
+    pool = DeviceKVPool(layers, slots, kv_heads, head_dim, torch.float32, "cpu")
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen))
-    table = torch.zeros(8, 128, dtype=torch.int32)
+    table = torch.zeros(8, max(128, max(lens)), dtype=torch.int32)
     rows = torch.randperm(8, generator=gen)[: len(lens)]
-    free = torch.randperm(399, generator=gen) + 1
+    free = torch.randperm(slots - 1, generator=gen) + 1
     used = 0
     for row, n in zip(rows.tolist(), lens):
         table[row, :n] = free[used : used + n].int()
@@ -79,6 +81,28 @@ def test_decode_matches_torch_backend_at_model_head_dims(
         want = TorchAttentionBackend()._decode(q, layer, meta, pool)
         got = native._decode(q, layer, meta, pool)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+# Fewer sequences than threads: each sequence's tokens are split into parts of at least
+# 128 (one per thread) and merged; with 6 threads and two sequences, the one-token
+# sequence has two empty parts. 48: the portable path; 64 the AVX-512 one.
+@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize(("lens", "threads"), [([700], 2), ([1000, 1], 6), ([300, 129], 3)])
+def test_decode_split_over_threads_matches_torch_backend(
+    kernel, head_dim: int, lens: list[int], threads: int
+) -> None:
+    pool, meta, q = decode_case(3, 3, lens, seed=len(lens), head_dim=head_dim, slots=2048)
+    q = 3 * q
+    native = CpuNativeAttentionBackend(kernel)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for layer in range(pool.num_layers):
+            want = TorchAttentionBackend()._decode(q, layer, meta, pool)
+            got = native._decode(q, layer, meta, pool)
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_decode_of_non_contiguous_query(kernel) -> None:

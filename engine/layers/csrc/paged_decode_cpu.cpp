@@ -35,7 +35,6 @@ inline void prefetch_row(const float* data, int64_t slot, int64_t row_size) {
   for (int64_t off = 0; off < row_size; off += 16) __builtin_prefetch(row + off);
 }
 
-#if defined(__AVX512F__)
 struct SeqView {
   const int32_t* slots;  // [len] KV slot of each token
   int64_t len;
@@ -45,20 +44,33 @@ struct SeqView {
   float scale;
 };
 
-// One sequence, all query heads, head_dim = 16 * kChunks, AVX-512. Each K row (every KV
-// head of one token) is read once, in slot order, for all query heads: scores go to
-// scores [q_heads, len]; softmax per head in place (vectorized exp); then each V row is
-// read once and added, weighted, into out [q_heads, dim] (which stays in L1).
+// What attending over some of a sequence's tokens leaves, per query head: the largest
+// score (peak), the sum of exp(score - peak) (denom), and sum_j exp(score_j - peak) v_j in
+// out [q_heads, dim], not yet divided by denom.
+struct PartState {
+  float* peak;   // [q_heads]
+  float* denom;  // [q_heads]
+  float* out;    // [q_heads, dim]
+};
+
+constexpr int64_t kAhead = 4;  // K/V rows prefetched ahead: slots may be scattered
+
+#if defined(__AVX512F__)
+// Tokens [j0, j1) of one sequence, all query heads, head_dim = 16 * kChunks, AVX-512. Each
+// K row (every KV head of one token) is read once, in slot order, for all query heads:
+// scores go to scores [q_heads, j1 - j0]; softmax numerators per head in place
+// (vectorized exp); then each V row is read once and added, weighted, into st.out (which
+// stays in L1).
 template <int kChunks>
-void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, const float* v_data,
-                float* scores, float* out) {
-  constexpr int64_t kAhead = 4;  // rows prefetched ahead: slots may be scattered
-  const int64_t len = seq.len, dim = seq.dim, group = seq.group;
+void attend_part(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq,
+                 const float* k_data, const float* v_data, float* scores, PartState st) {
+  const int32_t* slots = seq.slots + j0;
+  const int64_t len = j1 - j0, dim = seq.dim, group = seq.group;
   const int64_t kv_heads = seq.row_size / dim, q_heads = kv_heads * group;
   const __m512 scale = _mm512_set1_ps(seq.scale);
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) prefetch_row(k_data, seq.slots[j + kAhead], seq.row_size);
-    const float* key_row = k_data + seq.slots[j] * seq.row_size;
+    if (j + kAhead < len) prefetch_row(k_data, slots[j + kAhead], seq.row_size);
+    const float* key_row = k_data + slots[j] * seq.row_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       __m512 key[kChunks];
       for (int c = 0; c < kChunks; ++c) key[c] = _mm512_loadu_ps(key_row + h * dim + 16 * c);
@@ -73,8 +85,7 @@ void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, con
       }
     }
   }
-  // Softmax of each head's row over [0, len): max, exp and sum 16 at a time, tail masked.
-  float inv[64];  // q_heads <= 64 (checked by the caller)
+  // Each head's row over [0, len): max, then exp and sum 16 at a time, tail masked.
   for (int64_t qh = 0; qh < q_heads; ++qh) {
     float* row = scores + qh * len;
     __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -82,7 +93,8 @@ void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, con
       const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
       peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, row + j));
     }
-    const __m512 max_v = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    st.peak[qh] = _mm512_reduce_max_ps(peak);
+    const __m512 max_v = _mm512_set1_ps(st.peak[qh]);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; j += 16) {
       const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
@@ -90,19 +102,19 @@ void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, con
       sum = _mm512_mask_add_ps(sum, m, sum, e);
       _mm512_mask_storeu_ps(row + j, m, e);
     }
-    inv[qh] = 1.f / _mm512_reduce_add_ps(sum);
+    st.denom[qh] = _mm512_reduce_add_ps(sum);
   }
-  std::fill(out, out + q_heads * dim, 0.f);
+  std::fill(st.out, st.out + q_heads * dim, 0.f);
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) prefetch_row(v_data, seq.slots[j + kAhead], seq.row_size);
-    const float* value_row = v_data + seq.slots[j] * seq.row_size;
+    if (j + kAhead < len) prefetch_row(v_data, slots[j + kAhead], seq.row_size);
+    const float* value_row = v_data + slots[j] * seq.row_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       __m512 value[kChunks];
       for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(value_row + h * dim + 16 * c);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t qh = h * group + g;
-        const __m512 w = _mm512_set1_ps(scores[qh * len + j] * inv[qh]);
-        float* acc = out + qh * dim;
+        const __m512 w = _mm512_set1_ps(scores[qh * len + j]);
+        float* acc = st.out + qh * dim;
         for (int c = 0; c < kChunks; ++c) {
           const __m512 sum = _mm512_fmadd_ps(w, value[c], _mm512_loadu_ps(acc + 16 * c));
           _mm512_storeu_ps(acc + 16 * c, sum);
@@ -112,6 +124,85 @@ void attend_seq(const SeqView& seq, const float* q_seq, const float* k_data, con
   }
 }
 #endif
+
+// The same for any head_dim, in portable code.
+void attend_part_portable(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq,
+                          const float* k_data, const float* v_data, float* scores,
+                          PartState st) {
+  const int32_t* slots = seq.slots + j0;
+  const int64_t len = j1 - j0, dim = seq.dim, group = seq.group, row_size = seq.row_size;
+  const int64_t q_heads = row_size / dim * group;
+  std::fill(st.peak, st.peak + q_heads, -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) prefetch_row(k_data, slots[j + kAhead], row_size);
+    const float* key_row = k_data + static_cast<int64_t>(slots[j]) * row_size;
+    for (int64_t qh = 0; qh < q_heads; ++qh) {
+      const float* query = q_seq + qh * dim;
+      const float* key = key_row + (qh / group) * dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+      dot *= seq.scale;
+      scores[qh * len + j] = dot;
+      st.peak[qh] = std::max(st.peak[qh], dot);
+    }
+  }
+  for (int64_t qh = 0; qh < q_heads; ++qh) {
+    float sum = 0.f;
+    float* row = scores + qh * len;
+    for (int64_t j = 0; j < len; ++j) {
+      row[j] = std::exp(row[j] - st.peak[qh]);
+      sum += row[j];
+    }
+    st.denom[qh] = sum;
+  }
+  std::fill(st.out, st.out + q_heads * dim, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) prefetch_row(v_data, slots[j + kAhead], row_size);
+    const float* value_row = v_data + static_cast<int64_t>(slots[j]) * row_size;
+    for (int64_t qh = 0; qh < q_heads; ++qh) {
+      const float weight = scores[qh * len + j];
+      const float* value = value_row + (qh / group) * dim;
+      float* acc = st.out + qh * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) acc[d] += weight * value[d];
+    }
+  }
+}
+
+// Tokens [j0, j1) of one sequence (j0 < j1) into st, by the fastest path for its head_dim.
+void attend(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq, const float* k_data,
+            const float* v_data, int64_t num_slots, std::vector<float>& scores, PartState st) {
+  for (int64_t j = j0; j < j1; ++j) {
+    TORCH_CHECK(seq.slots[j] >= 0 && seq.slots[j] < num_slots, "KV slot ", seq.slots[j],
+                " out of range");
+  }
+  const int64_t q_heads = seq.row_size / seq.dim * seq.group;
+  scores.resize(static_cast<size_t>(q_heads * (j1 - j0)));
+#if defined(__AVX512F__)
+  if (q_heads <= 64 && seq.dim == 64) {
+    attend_part<4>(seq, j0, j1, q_seq, k_data, v_data, scores.data(), st);
+    return;
+  }
+  if (q_heads <= 64 && seq.dim == 128) {
+    attend_part<8>(seq, j0, j1, q_seq, k_data, v_data, scores.data(), st);
+    return;
+  }
+#endif
+  attend_part_portable(seq, j0, j1, q_seq, k_data, v_data, scores.data(), st);
+}
+
+// Parts each sequence's tokens are split into: one, unless there are fewer sequences than
+// threads (one stream would leave the other cores idle); never parts shorter than
+// kMinPartTokens, since each part costs a merge.
+constexpr int64_t kMinPartTokens = 128;
+
+int64_t parts_per_sequence(int64_t batch, int64_t longest) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  if (batch >= threads) return 1;
+  const int64_t want = (threads + batch - 1) / batch;
+  return std::max<int64_t>(1, std::min(want, longest / kMinPartTokens));
+}
 
 }  // namespace
 
@@ -156,76 +247,72 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t q_row_stride = q.stride(0);
   auto out = torch::empty({batch, q_heads, dim}, q.options());
   float* out_data = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  // Rows this many tokens ahead are prefetched: slots are scattered, so without it every
-  // K/V row is a cache miss the core waits for.
-  constexpr int64_t kAhead = 4;
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [q_heads, len]
-    std::vector<float> peak(q_heads), denom(q_heads);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = len_data[b];
-      const int32_t* slots = table_data + row_data[b] * columns;
-      for (int64_t j = 0; j < len; ++j) {
-        TORCH_CHECK(slots[j] >= 0 && slots[j] < num_slots, "KV slot ", slots[j], " out of range");
-      }
-      const float* q_seq = q_data + b * q_row_stride;
-#if defined(__AVX512F__)
-      if ((dim == 64 || dim == 128) && q_heads <= 64) {
-        scores.resize(static_cast<size_t>(q_heads * len));
-        const SeqView seq{slots, len, kv_heads * dim, dim, group, fscale};
+  const int64_t row_size = kv_heads * dim;  // one token's K (or V): every head
+  const auto seq_at = [&](int64_t b) {
+    return SeqView{table_data + row_data[b] * columns, len_data[b], row_size, dim, group,
+                   static_cast<float>(scale)};
+  };
+  const auto divide = [&](float* dst, const float* denom) {  // [q_heads, dim] by denom
+    for (int64_t qh = 0; qh < q_heads; ++qh) {
+      const float inv = 1.f / denom[qh];
+      for (int64_t d = 0; d < dim; ++d) dst[qh * dim + d] *= inv;
+    }
+  };
+  const int64_t parts = parts_per_sequence(batch, *std::max_element(len_data, len_data + batch));
+  if (parts == 1) {  // a sequence per work item, into its output rows
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, peak(q_heads), denom(q_heads);
+      for (int64_t b = begin; b < end; ++b) {
         float* out_seq = out_data + b * q_heads * dim;
-        if (dim == 64) {
-          attend_seq<4>(seq, q_seq, k_data, v_data, scores.data(), out_seq);
-        } else {
-          attend_seq<8>(seq, q_seq, k_data, v_data, scores.data(), out_seq);
-        }
+        attend(seq_at(b), 0, len_data[b], q_data + b * q_row_stride, k_data, v_data, num_slots,
+               scores, {peak.data(), denom.data(), out_seq});
+        divide(out_seq, denom.data());
+      }
+    });
+    return out;
+  }
+  // Split-K: each (sequence, part) is a work item with its own softmax state; then each
+  // sequence's parts are merged, each weighted by exp(its peak - the largest peak).
+  const int64_t items = batch * parts;
+  std::vector<float> part_out(static_cast<size_t>(items * q_heads * dim));
+  std::vector<float> part_peak(static_cast<size_t>(items * q_heads));
+  std::vector<float> part_denom(static_cast<size_t>(items * q_heads));
+  const auto state = [&](int64_t item) {
+    return PartState{part_peak.data() + item * q_heads, part_denom.data() + item * q_heads,
+                     part_out.data() + item * q_heads * dim};
+  };
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / parts, p = item % parts, len = len_data[b];
+      const int64_t j0 = len * p / parts, j1 = len * (p + 1) / parts;
+      const PartState st = state(item);
+      if (j0 == j1) {  // a sequence shorter than its parts: nothing to add
+        std::fill(st.peak, st.peak + q_heads, -std::numeric_limits<float>::infinity());
+        std::fill(st.denom, st.denom + q_heads, 0.f);
+        std::fill(st.out, st.out + q_heads * dim, 0.f);
         continue;
       }
-#endif
-      scores.resize(static_cast<size_t>(q_heads * len));
-      std::fill(peak.begin(), peak.end(), neg_inf);
-      const int64_t row_size = kv_heads * dim;  // one token's K (or V): every head
-      for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) prefetch_row(k_data, slots[j + kAhead], row_size);
-        const float* key_row = k_data + static_cast<int64_t>(slots[j]) * row_size;
-        for (int64_t qh = 0; qh < q_heads; ++qh) {
-          const float* query = q_seq + qh * dim;
-          const float* key = key_row + (qh / group) * dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
-          dot *= fscale;
-          scores[qh * len + j] = dot;
-          peak[qh] = std::max(peak[qh], dot);
-        }
-      }
-      for (int64_t qh = 0; qh < q_heads; ++qh) {
-        float sum = 0.f;
-        float* row = scores.data() + qh * len;
-        for (int64_t j = 0; j < len; ++j) {
-          row[j] = std::exp(row[j] - peak[qh]);
-          sum += row[j];
-        }
-        denom[qh] = 1.f / sum;
-      }
-      float* out_seq = out_data + b * q_heads * dim;
-      std::fill(out_seq, out_seq + q_heads * dim, 0.f);
-      for (int64_t j = 0; j < len; ++j) {
-        if (j + kAhead < len) prefetch_row(v_data, slots[j + kAhead], row_size);
-        const float* value_row = v_data + static_cast<int64_t>(slots[j]) * row_size;
-        for (int64_t qh = 0; qh < q_heads; ++qh) {
-          const float weight = scores[qh * len + j] * denom[qh];
-          const float* value = value_row + (qh / group) * dim;
-          float* acc = out_seq + qh * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) acc[d] += weight * value[d];
-        }
-      }
+      attend(seq_at(b), j0, j1, q_data + b * q_row_stride, k_data, v_data, num_slots, scores, st);
     }
   });
+  std::vector<float> denom(q_heads);
+  for (int64_t b = 0; b < batch; ++b) {
+    float* out_seq = out_data + b * q_heads * dim;
+    std::fill(out_seq, out_seq + q_heads * dim, 0.f);
+    for (int64_t qh = 0; qh < q_heads; ++qh) {
+      float peak = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) peak = std::max(peak, state(b * parts + p).peak[qh]);
+      denom[qh] = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const PartState st = state(b * parts + p);
+        const float w = std::exp(st.peak[qh] - peak);
+        denom[qh] += w * st.denom[qh];
+        for (int64_t d = 0; d < dim; ++d) out_seq[qh * dim + d] += w * st.out[qh * dim + d];
+      }
+    }
+    divide(out_seq, denom.data());
+  }
   return out;
 }
 
