@@ -12,7 +12,7 @@
 // HISERVE_PACKED_AMX=0) is the exact mode.
 //
 // Layout, per thread and chunk of 32 weight rows: the rows are dequantized (the same
-// dequant32 as the register path) into hi and lo bf16 rows, which are the A tiles as they
+// unpack32 as the register path) into hi and lo bf16 rows, which are the A tiles as they
 // are (16 rows x 32 values). The tokens are the B tiles: x split once per call into hi
 // and lo, stored as ggml/oneDNN's "VNNI" pairs (for each pair of k, 16 tokens x 2 values).
 // A tile product then gives y^T for 16 rows x 16 tokens, which is written out transposed.
@@ -151,9 +151,11 @@ HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, in
     }
     const uint8_t* row = w + (n0 + r) * row_bytes;
     for (int64_t bi = 0; bi < k_len / kBlock; ++bi) {
+      SubScales s;
+      block_scales<Q>(row + bi * kBytes, s);
       for (int sub = 0; sub < kBlock / 32; ++sub) {
         __m512 v0, v1;
-        dequant32<Q>(row + bi * kBytes, sub, v0, v1);
+        unpack32<Q>(row + bi * kBytes, sub, s.scale, s.offset, v0, v1);
         const int64_t at = (bi * kBlock + sub * 32) / 16;
         __m256i h0, l0, h1, l1;
         split_bf16(v0, h0, l0);

@@ -110,7 +110,7 @@ void dequant_block(const uint8_t* b, float* out) {
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // AVX2 builds: sub-block ``sub`` (32 weights) of block ``b`` into v[0..3] (8 weights each),
-// the same arithmetic as dequant32 below.
+// the same arithmetic as unpack32 below.
 inline __m256i widen8_u8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -210,38 +210,88 @@ inline void nibbles_from_table(__m512i bytes, __m512 table, __m512& lo, __m512& 
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
-// Sub-block ``sub`` (32 weights) of block ``b`` into lo (weights 0..15) and hi (16..31).
+// The scales of a run of sub-blocks, as floats: for Q4_0/Q4_1/Q8_0 (a run is up to 16
+// blocks), scale[j] = d and offset[j] = what is added to each weight (Q4_1's m, Q4_0's
+// -8d) of block j; for Q4_K/Q5_K (a run is one block), scale[s] = d * sc and offset[s] =
+// -dmin * m of sub-block s; for Q6_K, scale[t] = d * sc[t] of each 16 weights.
+struct SubScales {
+  alignas(64) float scale[16];
+  alignas(64) float offset[16];
+};
+
+// 32-weight sub-blocks per run: the 32-weight types' scales are gathered 16 blocks at a
+// time; a K-quant block's 8 sub-blocks share one set of scale bytes.
 template <int Q>
-inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
+constexpr int run_subs() {
+  return block_len<Q>() == 32 ? 16 : 8;
+}
+
+// The scales of ``count`` (1..16) consecutive 32-weight blocks from ``blk``.
+// NOTE: one gather of each block's first four bytes and one 16-wide conversion replace a
+// scalar fp16 load, conversion and broadcast per scale per block, which were half of the
+// register path's vector instructions for these types.
+template <int Q>
+inline void block_scales16(const uint8_t* blk, int count, SubScales& s) {
+  if constexpr (Q == kBF16) return;  // no scales
+  constexpr int kBytes = block_bytes<Q>();
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(kBytes));
+  const __mmask16 live = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, blk, 1);
+  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+  _mm512_store_ps(s.scale, d);
+  if constexpr (Q == kQ4_1)
+    _mm512_store_ps(s.offset, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
+  else if constexpr (Q == kQ4_0)
+    _mm512_store_ps(s.offset, _mm512_mul_ps(_mm512_set1_ps(-8.f), d));
+}
+
+// The scales of one K-quant block.
+template <int Q>
+inline void kquant_scales(const uint8_t* b, SubScales& s) {
+  if constexpr (Q == kQ6_K) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    _mm512_store_ps(s.scale, _mm512_mul_ps(_mm512_set1_ps(half_at(b + 208)),
+                                           to_float(_mm512_cvtepi8_epi32(sc))));
+  } else {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    for (int sub = 0; sub < 8; ++sub) {
+      int sc, mn;
+      scale_min_k4(b + 4, sub, sc, mn);
+      s.scale[sub] = d * static_cast<float>(sc);
+      s.offset[sub] = -dmin * static_cast<float>(mn);
+    }
+  }
+}
+
+// Sub-block ``sub`` (32 weights) of block ``b`` into lo (weights 0..15) and hi (16..31),
+// with its scales at scale[i] and offset[i] (i = sub for the K-quants; the 32-weight
+// types' caller points them at the block's own).
+template <int Q>
+inline void unpack32(const uint8_t* b, int sub, const float* scale, const float* offset,
+                     __m512& lo, __m512& hi) {
   const __m512i low4 = _mm512_set1_epi32(15);
   if constexpr (Q == kBF16) {  // bf16 is the top half of a float32
     const __m256i* p = reinterpret_cast<const __m256i*>(b);
     lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
     hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
   } else if constexpr (Q == kQ8_0) {
-    const __m512 d = _mm512_set1_ps(half_at(b));
+    const __m512 d = _mm512_set1_ps(scale[0]);
     const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
     lo = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
     hi = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
   } else if constexpr (Q == kQ4_0 || Q == kQ4_1) {
-    const float df = half_at(b);
-    const __m512 table = nibble_table(_mm512_set1_ps(df),
-                                      _mm512_set1_ps(Q == kQ4_1 ? half_at(b + 2) : -8.f * df));
+    const __m512 table = nibble_table(_mm512_set1_ps(scale[0]), _mm512_set1_ps(offset[0]));
     nibbles_from_table(widen_u8(b + (Q == kQ4_1 ? 4 : 2)), table, lo, hi);
   } else if constexpr (Q == kQ4_K) {
-    int sc, mn;
-    scale_min_k4(b + 4, sub, sc, mn);
-    const __m512 table = nibble_table(_mm512_set1_ps(half_at(b) * static_cast<float>(sc)),
-                                      _mm512_set1_ps(-half_at(b + 2) * static_cast<float>(mn)));
+    const __m512 table = nibble_table(_mm512_set1_ps(scale[sub]), _mm512_set1_ps(offset[sub]));
     const uint8_t* q = b + 16 + 32 * (sub / 2);
     const int shift = (sub & 1) * 4;  // vpermps reads the 4 bits this brings down
     lo = _mm512_permutexvar_ps(_mm512_srli_epi32(widen_u8(q), shift), table);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(widen_u8(q + 16), shift), table);
   } else if constexpr (Q == kQ5_K) {
-    int sc, mn;
-    scale_min_k4(b + 4, sub, sc, mn);
-    const __m512 ds = _mm512_set1_ps(half_at(b) * static_cast<float>(sc));
-    const __m512 neg_dm = _mm512_set1_ps(-half_at(b + 2) * static_cast<float>(mn));
+    const __m512 ds = _mm512_set1_ps(scale[sub]), neg_dm = _mm512_set1_ps(offset[sub]);
     // The 32 values of a 5-bit quant in two tables; vpermt2ps reads 5 index bits: the
     // nibble (bits 0-3) and the fifth bit from qh, rotated from bit ``sub`` to bit 4.
     const __m512 t0 = nibble_table(ds, neg_dm);
@@ -261,8 +311,6 @@ inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
     const int h = sub / 4, u = sub % 4;
     const uint8_t* ql = b + 64 * h + 32 * (u % 2);
     const uint8_t* qh = b + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_at(b + 208);
     const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
     const int lshift = 4 * (u / 2), hshift = 2 * u;
     const __m512i v0 = _mm512_sub_epi32(_mm512_or_si512(
@@ -271,8 +319,44 @@ inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
     const __m512i v1 = _mm512_sub_epi32(_mm512_or_si512(
         _mm512_and_si512(_mm512_srli_epi32(widen_u8(ql + 16), lshift), low4),
         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen_u8(qh + 16), hshift), three), 4)), bias);
-    lo = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[2 * sub])), to_float(v0));
-    hi = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[2 * sub + 1])), to_float(v1));
+    lo = _mm512_mul_ps(_mm512_set1_ps(scale[2 * sub]), to_float(v0));
+    hi = _mm512_mul_ps(_mm512_set1_ps(scale[2 * sub + 1]), to_float(v1));
+  }
+}
+
+// The scales of run ``run`` of a row (see run_subs) into s; returns its sub-blocks.
+template <int Q>
+inline int run_scales(const uint8_t* row, int64_t run, int64_t blocks, SubScales& s) {
+  if constexpr (block_len<Q>() == 32) {
+    const int count = static_cast<int>(blocks - run * 16 < 16 ? blocks - run * 16 : 16);
+    block_scales16<Q>(row + run * 16 * block_bytes<Q>(), count, s);
+    return count;
+  } else {
+    kquant_scales<Q>(row + run * block_bytes<Q>(), s);
+    return 8;
+  }
+}
+
+// Sub-block j of run ``run`` of a row, with the run's scales.
+template <int Q>
+inline void run_unpack(const uint8_t* row, int64_t run, int j, const SubScales& s, __m512& lo,
+                       __m512& hi) {
+  if constexpr (block_len<Q>() == 32) {
+    unpack32<Q>(row + (run * 16 + j) * block_bytes<Q>(), 0, s.scale + j, s.offset + j, lo, hi);
+  } else {
+    unpack32<Q>(row + run * block_bytes<Q>(), j, s.scale, s.offset, lo, hi);
+  }
+}
+
+// The scales of one block of any type, for unpack32(b, sub, s.scale, s.offset, ...) of
+// each of its sub-blocks.
+template <int Q>
+inline void block_scales(const uint8_t* b, SubScales& s) {
+  if constexpr (block_len<Q>() != 32) {
+    kquant_scales<Q>(b, s);
+  } else if constexpr (Q != kBF16) {
+    s.scale[0] = half_at(b);
+    s.offset[0] = Q == kQ4_1 ? half_at(b + 2) : -8.f * s.scale[0];
   }
 }
 #endif
@@ -282,9 +366,11 @@ inline void dequant32(const uint8_t* b, int sub, __m512& lo, __m512& hi) {
 template <int Q>
 inline void dequant_block_to(const uint8_t* b, float* out) {
 #if defined(__AVX512F__)
+  SubScales s;
+  block_scales<Q>(b, s);
   for (int sub = 0; sub < block_len<Q>() / 32; ++sub) {
     __m512 lo, hi;
-    dequant32<Q>(b, sub, lo, hi);
+    unpack32<Q>(b, sub, s.scale, s.offset, lo, hi);
     _mm512_storeu_ps(out + sub * 32, lo);
     _mm512_storeu_ps(out + sub * 32 + 16, hi);
   }

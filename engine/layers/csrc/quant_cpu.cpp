@@ -5,7 +5,9 @@
 // - qmatmul, M <= kGemvMax: each row's blocks are dequantized 32 weights at a time into
 //   two 16-float vectors (registers only) and multiplied into one float32 accumulator
 //   per token; rows are split over the threads. The bytes read per call are the packed
-//   bytes, 3.5-8.5 bits a weight instead of 32.
+//   bytes, 3.5-8.5 bits a weight instead of 32. With AVX-512 rows go 4 at a time (2 at
+//   3-4 tokens; rows_in_registers), each run of scales converted once: 16 blocks' of
+//   the 32-weight types by one gather, a K-quant block's 8 or 16.
 // - qmatmul, larger M, on a CPU with AMX: bf16 tiles with a hi/lo split of both operands,
 //   float32 sums (quant_amx.h); the dequantize cost is paid once per call.
 // - qmatmul, up to kFmaMaxTokens (128) tokens elsewhere (AVX-512 or AVX2): tiles of 12
@@ -17,7 +19,7 @@
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
 // With AVX-512 the dequantize is vector code per 32-weight sub-block, 16 weights a
-// vector; AVX2 builds (see cpu_kernels._cflags) run the same at 8 a vector. Scalar builds
+// vector (4- and 5-bit quants picked from a table of their 16 or 32 values); AVX2 builds (see cpu_kernels._cflags) run the same at 8 a vector. Scalar builds
 // dequantize a block at a time to a float buffer by the scalar code (quant_blocks.h) and
 // leave the dot products to the compiler.
 // Both accumulate in float32; they differ from "dequantize, then float32 matmul" only in
@@ -63,44 +65,18 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k_len, int64_t n_
 }
 
 #if defined(__AVX512F__)
-template <int Q>
-constexpr bool scaled32() {  // a 32-weight block that starts with its fp16 scale
-  return Q == kQ4_0 || Q == kQ4_1 || Q == kQ8_0;
-}
-
-// The scales of ``count`` (1..16) consecutive blocks from ``blk``: d, and the offset
-// added to each weight (Q4_1's m, Q4_0's -8d), as floats in ds[] and ms[].
-// NOTE: one gather of each block's first four bytes and one 16-wide conversion replace a
-// scalar fp16 load, conversion and broadcast per scale per block, which were half of the
-// register path's vector instructions for these types.
-template <int Q>
-inline void block_scales16(const uint8_t* blk, int count, float* ds, float* ms) {
-  constexpr int kBytes = block_bytes<Q>();
-  const __m512i offsets = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(kBytes));
-  const __mmask16 live = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, blk, 1);
-  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
-  _mm512_store_ps(ds, d);
-  if constexpr (Q == kQ4_1)
-    _mm512_store_ps(ms, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))));
-  else if constexpr (Q == kQ4_0)
-    _mm512_store_ps(ms, _mm512_mul_ps(_mm512_set1_ps(-8.f), d));
-}
-
-// Rows [n, n + R) of gemv_rows for Q4_0, Q4_1 and Q8_0 with AVX-512: the same products as
-// dequant32 (d * q + m per weight, into float32 accumulators), with each run of 16 blocks'
-// scales converted at once. R rows at a time: a row alone is bound by latencies (the
-// scales' gather at its start, its FMA chains, the sum across lanes at its end), which
-// R independent rows hide from one another.
+// Rows [n, n + R) of gemv_rows with AVX-512: each run of sub-blocks' scales converted
+// once (run_scales: 16 blocks of the 32-weight types, one K-quant block), then each
+// 32-weight sub-block unpacked into registers and multiplied into float32 accumulators.
+// R rows at a time: a row alone is bound by latencies (the scales at its start, its FMA
+// chains, the sum across lanes at its end), which R independent rows hide from one
+// another.
 template <int Q, int M, int R>
-inline void rows_scaled(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes,
-                        int64_t k_len, float* y, int64_t ys, int64_t n, int64_t n_end) {
-  constexpr int kBytes = block_bytes<Q>();
-  constexpr int kQuants = Q == kQ4_1 ? 4 : 2;  // the quants' offset in a block
-  const int64_t blocks = k_len / 32;
-  alignas(64) float ds[R][16], ms[R][16];
+inline void rows_in_registers(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes,
+                              int64_t k_len, float* y, int64_t ys, int64_t n, int64_t n_end) {
+  const int64_t blocks = k_len / block_len<Q>();
+  const int64_t runs = (blocks * (block_len<Q>() / 32) + run_subs<Q>() - 1) / run_subs<Q>();
+  SubScales scales[R];
   const uint8_t* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * row_bytes;
   // NOTE: the rows stream from memory once per step; the hardware prefetcher alone left
@@ -113,23 +89,14 @@ inline void rows_scaled(const float* x, int64_t xs, const uint8_t* w, int64_t ro
   __m512 acc[R][M][2];
   for (auto& row : acc)
     for (auto& token : row) token[0] = token[1] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
-    const int count = static_cast<int>(std::min<int64_t>(16, blocks - b0));
-    for (int r = 0; r < R; ++r) block_scales16<Q>(rows[r] + b0 * kBytes, count, ds[r], ms[r]);
+  for (int64_t run = 0; run < runs; ++run) {
+    int count = 0;
+    for (int r = 0; r < R; ++r) count = run_scales<Q>(rows[r], run, blocks, scales[r]);
     for (int j = 0; j < count; ++j) {
-      const float* xk = x + (b0 + j) * 32;
+      const float* xk = x + (run * run_subs<Q>() + j) * 32;
       for (int r = 0; r < R; ++r) {
-        const uint8_t* blk = rows[r] + (b0 + j) * kBytes;
-        const __m512 d = _mm512_set1_ps(ds[r][j]);
         __m512 lo, hi;
-        if constexpr (Q == kQ8_0) {
-          const __m128i* q = reinterpret_cast<const __m128i*>(blk + kQuants);
-          lo = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-          hi = _mm512_mul_ps(d, to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
-        } else {
-          const __m512 table = nibble_table(d, _mm512_set1_ps(ms[r][j]));
-          nibbles_from_table(widen_u8(blk + kQuants), table, lo, hi);
-        }
+        run_unpack<Q>(rows[r], run, j, scales[r], lo, hi);
         for (int m = 0; m < M; ++m) {
           acc[r][m][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xk + m * xs), acc[r][m][0]);
           acc[r][m][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xk + m * xs + 16), acc[r][m][1]);
@@ -141,32 +108,23 @@ inline void rows_scaled(const float* x, int64_t xs, const uint8_t* w, int64_t ro
     for (int m = 0; m < M; ++m)
       y[m * ys + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
 }
-
-template <int Q, int M>
-void gemv_rows_scaled(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes,
-                      int64_t k_len, float* y, int64_t ys, int64_t n_begin, int64_t n_end) {
-  constexpr int R = M <= 2 ? 4 : 2;  // rows at a time: R x M x 2 accumulators in registers
-  int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) rows_scaled<Q, M, R>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
-  for (; n < n_end; ++n) rows_scaled<Q, M, 1>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
-}
 #endif
 
 // y[m, n] for tokens m < M and rows n in [n_begin, n_end): dequantized in registers.
 template <int Q, int M>
 void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, int64_t k_len,
                float* y, int64_t ys, int64_t n_begin, int64_t n_end) {
+#if defined(__AVX512F__)
+  constexpr int R = M <= 2 ? 4 : 2;  // rows at a time: R x M x 2 accumulators in registers
+  int64_t n = n_begin;
+  for (; n + R <= n_end; n += R) rows_in_registers<Q, M, R>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
+  for (; n < n_end; ++n) rows_in_registers<Q, M, 1>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
+#else
   constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
   const int64_t blocks = k_len / kBlock;
-#if defined(__AVX512F__)
-  if constexpr (scaled32<Q>()) {
-    gemv_rows_scaled<Q, M>(x, xs, w, row_bytes, k_len, y, ys, n_begin, n_end);
-    return;
-  }
-#endif
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * row_bytes;
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
     // NOTE: the rows stream from memory once per step; the hardware prefetcher alone
     // left this loop waiting on them (5 GB/s of a 25 GB/s stream). Ask for the row
     // kPrefetchRows ahead while this one is unpacked.
@@ -174,26 +132,6 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
       const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes);
       for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
-#endif
-#if defined(__AVX512F__)
-    // Two accumulators per token (low and high half of each sub-block): two FMA chains.
-    __m512 acc_lo[M], acc_hi[M];
-    for (int m = 0; m < M; ++m) acc_lo[m] = acc_hi[m] = _mm512_setzero_ps();
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* blk = row + bi * kBytes;
-      for (int sub = 0; sub < kBlock / 32; ++sub) {
-        __m512 lo, hi;
-        dequant32<Q>(blk, sub, lo, hi);
-        const float* xk = x + bi * kBlock + sub * 32;
-        for (int m = 0; m < M; ++m) {
-          acc_lo[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xk + m * xs), acc_lo[m]);
-          acc_hi[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xk + m * xs + 16), acc_hi[m]);
-        }
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      y[m * ys + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[m], acc_hi[m]));
-#elif defined(__AVX2__) && defined(__FMA__)
     {  // dequantized in registers, 32 weights at a time
       __m256 acc0[M], acc1[M];
       for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
@@ -235,6 +173,7 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
     for (int m = 0; m < M; ++m) y[m * ys + n] = sum[m];
 #endif
   }
+#endif
 }
 
 template <int Q, int M>
