@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from bench.client import normalize_base_url
+from bench.client import normalize_base_url, parse_logit_bias
 from bench.compare import SERVER_CONFIGS, LaunchOptions, parse_target, run_compare
 from bench.report import build_report, format_table, write_json, write_plot
 from bench.runner import RunOptions, RunState, run_blocking
@@ -111,6 +111,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="`model` field of the requests; default: the target's first model",
+    )
+    t.add_argument(
+        "--logit-bias",
+        default=None,
+        metavar="JSON",
+        help="every request's logit_bias, e.g. '{\"2\": -100}' to ban EOS where ignore_eos "
+        "is ignored (default: none)",
     )
     t.add_argument("--request-timeout", type=float, default=600.0)
     t.add_argument(
@@ -324,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.api_key = args.api_key or "bench-" + secrets.token_hex(8)
         if args.command == "run":
             normalize_base_url(args.base_url)  # raises on a malformed URL
+        logit_bias = None if args.logit_bias is None else parse_logit_bias(args.logit_bias)
     except ValueError as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -333,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout=args.request_timeout,
         max_retries=args.max_retries,
         retry_backoff=args.retry_backoff,
+        logit_bias=logit_bias,
     )
     total = len(workload.requests)
 

@@ -63,6 +63,21 @@ def normalize_base_url(url: str) -> str:
     return url
 
 
+def parse_logit_bias(text: str) -> dict[str, float]:
+    """``--logit-bias``: a JSON object of token id -> bias, e.g. '{"2": -100}'."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--logit-bias must be a JSON object: {exc}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(bias, int | float) and not isinstance(bias, bool) for bias in value.values()
+    ):
+        raise ValueError(
+            f"--logit-bias must be a JSON object of token id -> number, got {text[:80]!r}"
+        )
+    return {str(token): float(bias) for token, bias in value.items()}
+
+
 def _body_snippet(response: httpx.Response) -> str:
     try:
         data = response.json()
@@ -95,9 +110,13 @@ class CompletionClient:
         retry_backoff: float = 0.5,
         max_retry_wait: float = 30.0,
         temperature: float = 0.0,
+        logit_bias: dict[str, float] | None = None,
     ) -> None:
         self.base_url = normalize_base_url(base_url)
         self.model = model
+        # Sent as every request's logit_bias: e.g. {"<eos id>": -100} bans EOS on servers
+        # that ignore ignore_eos, so each request runs to max_tokens there too.
+        self.logit_bias = logit_bias
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
         self.max_retry_wait = max_retry_wait
@@ -160,7 +179,7 @@ class CompletionClient:
         )
 
     def _payload(self, request: BenchRequest) -> dict[str, Any]:
-        return {
+        payload: dict[str, Any] = {
             "model": self.model or "default",
             "prompt": request.text if request.text is not None else request.prompt,
             "max_tokens": request.max_tokens,
@@ -169,6 +188,9 @@ class CompletionClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.logit_bias is not None:
+            payload["logit_bias"] = self.logit_bias
+        return payload
 
     async def complete(self, request: BenchRequest) -> RequestResult:
         """Send one request, retrying 503/429 and refused connections with backoff."""

@@ -101,6 +101,9 @@ class SchedulerConfig(CacheConfig):
     max_stop_token_ids: int = 256
     # Most top logprobs per token a request may ask for (vLLM's max_logprobs).
     max_logprobs: int = 20
+    # Most logit_bias entries per request (OpenAI's documented limit): each one is a
+    # (row, token) update of every step's logits. 0: logit_bias is refused.
+    max_logit_bias: int = 300
     # Most logprob entries one request may return: choices x max_tokens x (1 + top
     # logprobs); about 80 bytes of JSON each.
     max_logprob_entries: int = 1 << 20
@@ -194,6 +197,8 @@ class EngineConfig(SchedulerConfig):
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logit_bias < 0:
+            raise ValueError(f"max_logit_bias must be >= 0, got {self.max_logit_bias}")
         if self.stream_stall_timeout <= 0:
             raise ValueError(
                 f"stream_stall_timeout must be > 0 seconds, got {self.stream_stall_timeout}"

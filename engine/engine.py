@@ -115,6 +115,7 @@ class Engine:
             self.config.max_stop_token_ids,
             self.config.max_logprobs,
             self.config.max_stop_chars,
+            self.config.max_logit_bias,
         )
         if params.grammar is not None:
             check_spec(params.grammar)

@@ -41,6 +41,10 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits before
+    # sampling, distinct ids. A tuple: cheap to walk each step, picklable, and one object
+    # shared by every choice of an n > 1 request (a mapping given here becomes one).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # top-N alternatives per generated token; 0: chosen only
     # Prompt scoring: the logprob of every prompt token given its prefix, with top-N
     # alternatives (0: the prompt token only). None: the prompt is not scored.
@@ -63,6 +67,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = frozenset(self.stop_token_ids or ())
+        if not isinstance(self.logit_bias, tuple):
+            self.logit_bias = tuple(dict(self.logit_bias or {}).items())
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +81,7 @@ class SamplingParams:
         max_stop_token_ids: int = 256,
         max_logprobs: int = 20,
         max_stop_chars: int = 512,
+        max_logit_bias: int = 300,
     ) -> None:
         """Raise InvalidRequestError naming the offending field; every check is cheap (the lengths
         are bounded before anything walks a list)."""
@@ -140,6 +147,7 @@ class SamplingParams:
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                 param="stop_token_ids",
             )
+        self._validate_logit_bias(vocab_size, max_logit_bias)
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
@@ -156,6 +164,46 @@ class SamplingParams:
                 f"got {self.prompt_logprobs}",
                 param="prompt_logprobs",
             )
+
+    def _validate_logit_bias(self, vocab_size: int, max_logit_bias: int) -> None:
+        entries = self.logit_bias
+        if len(entries) > max_logit_bias:
+            raise InvalidRequestError(
+                f"logit_bias has {len(entries)} entries; at most {max_logit_bias} are allowed "
+                "(--max-logit-bias)",
+                param="logit_bias",
+            )
+        if not all(isinstance(e, tuple) and len(e) == 2 for e in entries):
+            raise InvalidRequestError(
+                "logit_bias must be (token id, bias) pairs", param="logit_bias"
+            )
+        ids = [t for t, _ in entries]
+        bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids in the vocabulary [0, {vocab_size}); "
+                f"got {bad[:5]}",
+                param="logit_bias",
+            )
+        if len(set(ids)) < len(ids):
+            raise InvalidRequestError(
+                "logit_bias names a token id more than once", param="logit_bias"
+            )
+        # NOTE: the range check also refuses NaN and infinities (no comparison holds).
+        wrong = [b for _, b in entries if not _is_number(b) or not -100 <= b <= 100]
+        if wrong:
+            raise InvalidRequestError(
+                f"logit_bias values must be numbers in [-100, 100], got {wrong[:5]}",
+                param="logit_bias",
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass

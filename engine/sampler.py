@@ -1,6 +1,6 @@
-"""Token selection: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Token selection: logit bias, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Penalties and the ``min_tokens`` ban are engine/penalties.py, applied first.
+Penalties and the ``min_tokens`` ban are engine/penalties.py, applied after the bias.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 class Sampler:
     """Picks one token per row of a logits batch, honouring each request's SamplingParams.
 
-    Order of operations per row: repetition / presence / frequency penalties, the
-    ``min_tokens`` ban on EOS and stop token ids, then either greedy argmax or
-    temperature -> top-k -> top-p -> min-p (the order HF ``generate`` applies its
-    warpers in) followed by sampling.
+    Order of operations per row: the grammar mask, ``logit_bias``, repetition / presence
+    / frequency penalties, the ``min_tokens`` ban on EOS and stop token ids, then either
+    greedy argmax or temperature -> top-k -> top-p -> min-p (the order HF ``generate``
+    applies its warpers in) followed by sampling.
 
     NOTE: requested logprobs are ``log_softmax`` of the RAW model logits, taken before
-    penalties, the ``min_tokens`` ban and temperature (vLLM's default), so they describe
-    the model, not the sampling distribution.
+    the grammar mask, ``logit_bias``, penalties, the ``min_tokens`` ban and temperature
+    (vLLM's default), so they describe the model, not the sampling distribution.
 
     NOTE: sampling draws one uniform per row and picks the token whose interval of the
     row's CDF holds it (``sample_from_cdf``), an exact sample of ``probs`` up to float32
@@ -76,6 +76,7 @@ class Sampler:
         fast = all(
             r.params.greedy
             and r.params.logprobs is None
+            and not r.params.logit_bias
             and not has_penalties(r.params)
             and len(r.output_ids) >= r.params.min_tokens
             for r in reqs
@@ -84,6 +85,7 @@ class Sampler:
             # Fast path: one argmax over the batch, one device -> host transfer.
             return SamplerOutput(self.argmax(logits), [None] * batch)
 
+        logits = apply_logit_bias(logits, reqs)
         logits = self.penalties.apply(logits, reqs)
         logits = self.penalties.ban_until_min_tokens(
             logits, reqs, eos_token_ids, grammar_mask.may_end_rows if grammar_mask else ()
@@ -195,6 +197,31 @@ class Sampler:
             top = dict(zip(top_ids_list[i][:n], top_lp_list[i][:n], strict=True))
             out[b] = TokenLogprob(token_id=chosen_ids[i], logprob=chosen_list[i], top=top)
         return out
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """``logits`` [B, V] plus each row's ``logit_bias``; the input is never modified.
+
+    NOTE: one host -> device upload for every biased row, and one scatter-add of the
+    (row, token) pairs: O(entries), no [B, V] temporary beyond the copy. A -inf (a token
+    the grammar forbids) stays -inf whatever its bias.
+    """
+    rows: list[int] = []
+    pairs: list[tuple[int, float]] = []
+    for b, r in enumerate(reqs):
+        bias = r.params.logit_bias
+        if bias:
+            rows.extend([b] * len(bias))
+            pairs.extend(bias)
+    if not rows:
+        return logits
+    token_ids, values = zip(*pairs, strict=True)
+    # NOTE: float32 holds every row and token id exactly (vocabularies are far below 2**24).
+    flat = upload([rows, list(token_ids), list(values)], logits.device, torch.float32)  # [3, N]
+    index = flat[:2].long()  # [2, N]: batch row, token id
+    logits = logits.clone()  # [B, V]
+    logits.index_put_((index[0], index[1]), flat[2], accumulate=True)
+    return logits
 
 
 def filter_logits(

@@ -133,6 +133,10 @@ class EngineClient:
     def max_logprob_entries(self) -> int:
         return int(getattr(self.engine.config, "max_logprob_entries", 1 << 20))
 
+    @property
+    def max_logit_bias(self) -> int:
+        return int(getattr(self.engine.config, "max_logit_bias", 300))
+
     # ---------------------------------------------------------------- tokenizer
     async def _in_worker(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

@@ -193,6 +193,11 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("max-stop-chars", "longest stop string, in characters", "max_stop_chars"),
     FlagSpec("max-stop-token-ids", "most stop_token_ids per request", "max_stop_token_ids"),
     FlagSpec(
+        "max-logit-bias",
+        "most logit_bias entries per request (OpenAI's limit); 0 refuses logit_bias",
+        "max_logit_bias",
+    ),
+    FlagSpec(
         "max-logprobs",
         "most logprobs / top_logprobs a request may ask for (vLLM's max_logprobs)",
         "max_logprobs",

@@ -2,7 +2,9 @@
 
 Unknown request fields are ignored, as the OpenAI API and vLLM do for forward
 compatibility; fields this server parses but cannot honour are rejected with 400
-(``suffix``, ``best_of`` > ``n``, non-empty ``logit_bias``, image content).
+(``suffix``, ``best_of`` > ``n``, image content). ``logit_bias`` is parsed here (an
+object of numbers; anything wrong inside it is reported as ``logit_bias`` itself), its
+keys become token ids in server/serving.py, and the engine checks ids and values.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
     model_serializer,
 )
 
@@ -55,7 +61,8 @@ class _SamplingRequest(_Request):
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    # Token id (a JSON key, so a string) -> bias in [-100, 100] (the engine checks the range).
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     # vLLM's name: the tenant whose cached KV this request may reuse (every tier); see
     # docs/cache-security.md. The engine checks it again (engine/cache_salt.py).
@@ -80,6 +87,20 @@ class _SamplingRequest(_Request):
     regex: Any = None
     ebnf: Any = None
     json_schema: Any = None
+
+    @field_validator("logit_bias", mode="wrap")
+    @classmethod
+    def _logit_bias_as_one_param(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A bad entry's error names the field the client sent, ``logit_bias``, not
+        ``logit_bias.<key>``."""
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = f"at key {str(first['loc'][0])[:40]!r}: " if first["loc"] else ""
+            raise ValueError(
+                f"expected an object of token id -> bias in [-100, 100]; {where}{first['msg']}"
+            ) from None
 
 
 class CompletionRequest(_SamplingRequest):

@@ -61,12 +61,43 @@ def check_request(req: _SamplingRequest, client: EngineClient, num_prompts: int 
             param="cache_salt",
             code="cache_salt_required",
         )
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
+
+
+def parse_logit_bias(
+    raw: dict[str, float] | None, max_entries: int
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` object as (token id, bias) pairs in ascending id order.
+
+    The keys are JSON strings: each must be an integer written in ASCII digits. The count
+    is bounded before any key is read; the engine checks the ids against the vocabulary
+    and the values' range (``SamplingParams.validate``)."""
+    if not raw:
+        return ()
+    if len(raw) > max_entries:
+        raise APIError(
+            400,
+            f"logit_bias has {len(raw)} entries; at most {max_entries} are allowed "
+            "(--max-logit-bias)",
+            param="logit_bias",
+        )
+    pairs: dict[int, float] = {}
+    for key, bias in raw.items():
+        digits = key[1:] if key.startswith("-") else key
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids, integers such as '50256'; got {key[:40]!r}",
+                param="logit_bias",
+            )
+        token_id = int(key)
+        if token_id in pairs:
+            raise APIError(400, f"logit_bias names token id {token_id} twice", param="logit_bias")
+        pairs[token_id] = bias
+    return tuple(sorted(pairs.items()))
 
 
 def sampling_params(
@@ -77,6 +108,7 @@ def sampling_params(
     seed: int | None,
     vocab_size: int,
     stop_token_ids: frozenset[int] = frozenset(),
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> SamplingParams:
     """Map request fields onto SamplingParams; None always means the default."""
     top_k = (
@@ -95,6 +127,7 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         stop=stop,
         stop_token_ids=stop_token_ids,
+        logit_bias=logit_bias,
         ignore_eos=bool(req.ignore_eos),
         min_tokens=req.min_tokens or 0,
         logprobs=logprobs,
@@ -143,7 +176,8 @@ def make_plan(
     The fields themselves are validated by the engine, once per choice, when the choices
     start (``AsyncEngine.generate``, before any is queued); the context budget of each is
     checked there too (``EngineClient.generate_many``). The samples of one prompt differ
-    only in their seed: they share one SamplingParams (and its stop-id set).
+    only in their seed: they share one SamplingParams (and its stop-id set); every
+    choice shares one ``logit_bias`` tuple, parsed once.
 
     ``logprobs_param``: the field that asks for logprobs (``logprobs``, ``top_logprobs``).
 
@@ -178,6 +212,7 @@ def make_plan(
         )
     entries = 0  # logprob entries the whole response may carry
     stop_token_ids = frozenset(req.stop_token_ids or ())
+    logit_bias = parse_logit_bias(req.logit_bias, client.max_logit_bias)
     for prompt in prompts:
         base = sampling_params(
             req,
@@ -186,6 +221,7 @@ def make_plan(
             seed=None,
             vocab_size=client.vocab_size,
             stop_token_ids=stop_token_ids,
+            logit_bias=logit_bias,
         )
         base.grammar = grammar
         base.group = base_id  # every copy shares ``base``: the scheduler takes turns

@@ -39,7 +39,11 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None]] = [
     (CMPL, {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     (CMPL, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     (CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of"),
-    (CMPL, {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "x", "logit_bias": {"49152": 5}}, 400, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"1": 1000}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "x", "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
+    (CMPL, '{"prompt": "x", "logit_bias": {"1": NaN}}', 400, "logit_bias"),
     (CMPL, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CMPL, {"prompt": "x", "model": "nope"}, 404, "model"),
     (CMPL, '{"prompt": "x", "temperature": NaN}', 400, "temperature"),
@@ -151,6 +155,9 @@ SAMPLING_VALID = {
         st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=4)
     ),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    "logit_bias": st.dictionaries(
+        st.integers(0, VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=3
+    ),
     "stream": st.booleans(),
     "ignore_eos": st.booleans(),
     "user": st.text(max_size=5),

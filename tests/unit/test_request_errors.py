@@ -26,6 +26,7 @@ BAD_FIELDS = {
     "repetition_penalty": {"repetition_penalty": 0.0},
     "stop": {"stop": ["a"] * 17},
     "stop_token_ids": {"stop_token_ids": [10**9]},
+    "logit_bias": {"logit_bias": ((10**9, 1.0),)},
     "min_tokens": {"min_tokens": 99, "max_tokens": 4},
     "logprobs": {"logprobs": 50},
     "prompt_logprobs": {"prompt_logprobs": 50},
