@@ -36,6 +36,7 @@ from engine.model_files import (  # noqa: F401 - re-exported: where callers look
     gguf_file_of,
     safetensors_files,
 )
+from engine.models.native_decode import use_native_decode
 from engine.models.registry import get_model_class
 from engine.models.weights import load_named_weights
 
@@ -248,6 +249,8 @@ def load_model(
         model.pack_for_cpu()
     # Fused RMSNorm + residual and RoPE kernels on float32 CPU models (HISERVE_CPU_FUSED=0: off).
     use_fused_cpu_kernels(model)
+    # A packed model's decode steps as one native call each (HISERVE_CPU_NATIVE_DECODE=0: off).
+    use_native_decode(model)
     # Their Triton counterparts on GPUs with a Triton backend (HISERVE_TRITON_FUSED=0: off).
     triton_ops.use_fused_ops(model, device)
     return model.eval()

@@ -182,6 +182,14 @@ class PackedWeight:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def native_linear(self, kernel: Any, bias: torch.Tensor | None) -> Any:
+        """This weight (and ``bias``) as the native module's ``PackedLinear``, which
+        ``DecodeLayers`` multiplies by as ``matmul`` does (engine/models/native_decode.py)."""
+        if self._kernel is None:
+            self.finish()
+        segments = [(start, part.data, part.qtype) for start, part in self._parts.items()]
+        return kernel.PackedLinear(self.out_features, segments, bias)
+
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ([T] int64) dequantized, ``[T, in]`` float32: an embedding lookup."""
         if len(self._parts) != 1:

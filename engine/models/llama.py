@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -200,6 +200,10 @@ class LlamaForCausalLM(nn.Module):
         )
         # The embedding table as GGUF blocks (use_packed_embedding), None when dense.
         self.packed_embedding: PackedWeight | None = None
+        # (hidden, cos, sin, meta, kv_pool) -> the final norm's output: a pure decode step
+        # through every layer in one native call; set by native_decode.use_native_decode
+        # on qualifying packed CPU models, None everywhere else.
+        self.native_decode: Callable[..., torch.Tensor] | None = None
 
     def layer_backends(self, hf_config: Any) -> list[AttentionBackend]:
         """Attention per layer: the shared backend, windowed where the config asks."""
@@ -213,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         hidden = self.embed(input_ids)  # [T, hidden]
+        if self.native_decode is not None and meta.is_decode and not meta.kv_loads:
+            cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+            return self.native_decode(hidden, cos, sin, meta, kv_pool)
         rope = self.layer_cos_sin(positions, hidden.dtype)
         residual: torch.Tensor | None = None
         # NOTE: submodules are called through .forward, not __call__: the hook machinery

@@ -19,9 +19,10 @@
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
 // With AVX-512 the dequantize is vector code per 32-weight sub-block, 16 weights a
-// vector (4- and 5-bit quants picked from a table of their 16 or 32 values); AVX2 builds (see cpu_kernels._cflags) run the same at 8 a vector. Scalar builds
-// dequantize a block at a time to a float buffer by the scalar code (quant_blocks.h) and
-// leave the dot products to the compiler.
+// vector (4- and 5-bit quants picked from a table of their 16 or 32 values); AVX2 builds
+// (see cpu_kernels._cflags) run the same at 8 a vector. Scalar builds dequantize a block
+// at a time to a float buffer by the scalar code (quant_blocks.h) and leave the dot
+// products to the compiler.
 // Both accumulate in float32; they differ from "dequantize, then float32 matmul" only in
 // the order of the sums. Layouts follow ggml's block structs (block_q4_0 ... block_q6_K).
 #include <torch/extension.h>
@@ -117,7 +118,8 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
 #if defined(__AVX512F__)
   constexpr int R = M <= 2 ? 4 : 2;  // rows at a time: R x M x 2 accumulators in registers
   int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) rows_in_registers<Q, M, R>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
+  for (; n + R <= n_end; n += R)
+    rows_in_registers<Q, M, R>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
   for (; n < n_end; ++n) rows_in_registers<Q, M, 1>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
 #else
   constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
@@ -312,8 +314,27 @@ torch::Tensor dequantize(const torch::Tensor& weight, int64_t qtype, int64_t k_l
   return out;
 }
 
+#include "decode_layers.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using hiserve_decode::DecodeLayers;
+  using hiserve_decode::PackedLinear;
   m.def("qmatmul", &qmatmul, "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, float32");
+  py::class_<PackedLinear>(m, "PackedLinear")
+      .def(py::init<int64_t, std::vector<hiserve_decode::Segment>, std::optional<torch::Tensor>>(),
+           py::arg("out_features"), py::arg("segments"), py::arg("bias"),
+           "a packed linear layer: (first row, blocks, ggml type) segments and a bias")
+      .def("__call__", &PackedLinear::operator(), "x [T, in] -> [T, out] float32");
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<int64_t, int64_t, int64_t, hiserve_decode::Norm>(), py::arg("q_heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("final_norm"))
+      .def("add_layer", &DecodeLayers::add_layer, "append a decoder layer (norms, linears)")
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      // NOTE: the whole step runs without the GIL: the server's event loop and tokenizer
+      // threads go on meanwhile (it touches tensors only).
+      .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>(),
+           "a pure decode step through every layer -> the final norm's output [B, hidden]");
   m.def("dequantize", &dequantize, "packed rows [N, row_bytes] -> float32 [N, K]");
   m.attr("GEMV_MAX_TOKENS") = kGemvMax;
 #if defined(HISERVE_HAVE_AMX)
