@@ -99,7 +99,7 @@ def _build_on(
     device = platform.to_torch_device(device_spec)
     dtype = weights.dtype
     hf_config = loader.load_hf_config(model_path)
-    tokenizer = loader.load_tokenizer(model_path)
+    tokenizer = loader.load_tokenizer(model_path, hf_config)
     model = loader.load_model(
         model_path,
         device,

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +41,8 @@ from engine.models.registry import get_model_class
 from engine.models.weights import load_named_weights
 
 logger = logging.getLogger(__name__)
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 # Bump when the converted layout changes, so old cache entries are not reused.
 CONVERT_VERSION = 1
@@ -162,17 +164,24 @@ def _remove_stale_tmp(models_dir: Path, name: str) -> None:
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> Any:
-    """The HF ``PretrainedConfig`` of a local model directory."""
-    from transformers import AutoConfig
+    """The HF ``PretrainedConfig`` of a local model directory, as ``AutoConfig`` reads it
+    but without the modules a Llama config would import (``engine/hf_config.py``)."""
+    from engine.hf_config import read_hf_config
 
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return read_hf_config(path)
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """The HF tokenizer of a local model directory."""
+def load_tokenizer(path: str | os.PathLike[str], hf_config: Any = None) -> Any:
+    """The HF tokenizer of a local model directory. ``AutoTokenizer`` picks the class by
+    the model's config, which it reads through ``AutoConfig`` unless it is given one, so
+    it gets ``hf_config`` (read with ``load_hf_config`` when not given and the directory
+    has a ``config.json``)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if hf_config is None and (Path(path) / "config.json").is_file():
+        hf_config = load_hf_config(path)
+    options = {} if hf_config is None else {"config": hf_config}
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **options)
 
 
 def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -222,7 +231,7 @@ def load_model(
     plan = gguf_packed.plan_packed(source, Path(path), model) if source is not None else None
     if plan is not None:
         gguf_packed.prepare(model, plan)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = allocate_empty(model.to(dtype=dtype), device)
     if plan is not None:
         assert gguf_path is not None
         model.load_weights(gguf_packed.iter_weights(Path(path), plan, gguf_path))
@@ -254,6 +263,24 @@ def load_model(
     # Their Triton counterparts on GPUs with a Triton backend (HISERVE_TRITON_FUSED=0: off).
     triton_ops.use_fused_ops(model, device)
     return model.eval()
+
+
+def allocate_empty(model: ModuleT, device: torch.device) -> ModuleT:
+    """``model.to_empty(device=device)``: every parameter and buffer of a model built on the
+    meta device gets uninitialised memory of its shape and dtype on ``device``.
+
+    Not ``to_empty`` itself: its ``torch.empty_like`` of a meta tensor runs the meta
+    reference implementation, which imports ``torch.fx.experimental.symbolic_shapes`` and
+    with it sympy, about 34 MiB of resident memory the server never uses. ``torch.empty``
+    gives what ``empty_like`` gives a contiguous tensor (every layer's weights are); any
+    other keeps ``empty_like``, for the same strides."""
+
+    def allocate(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_contiguous():
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        return torch.empty_like(tensor, device=device)
+
+    return model._apply(allocate)
 
 
 def eos_token_ids_of(hf_config: Any, tokenizer: Any) -> set[int]:

@@ -37,6 +37,7 @@ from engine.layers.quant_cpu import (
     quant_kernel,
     type_name,
 )
+from engine.models.gguf_table import read_blocks, read_table
 
 logger = logging.getLogger(__name__)
 
@@ -109,43 +110,45 @@ def _packable_target(model: nn.Module, hf_name: str) -> tuple[str, Any] | None:
 
 def plan_packed(gguf_path: Path, model_dir: Path, model: nn.Module) -> PackedPlan:
     """Which of ``model``'s weights load packed from ``gguf_path`` (the GGUF that
-    ``model_dir`` was converted from); ``model`` may still be on the meta device."""
+    ``model_dir`` was converted from); ``model`` may still be on the meta device.
+
+    The file's tensor table is read with ``gguf_table`` (not ``gguf.GGUFReader``, which
+    parses the tokenizer's vocabulary too) and each packed tensor's blocks straight from
+    the file into their own memory."""
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch_field = reader.fields["general.architecture"]
-    arch_name = bytes(arch_field.parts[arch_field.data[0]]).decode("utf-8")
-    arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch_name)
+    table = read_table(gguf_path)
+    arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}.get(table.architecture or "")
     hf_config: Any = model.config
     if arch is None:
         return PackedPlan()
     name_map = gguf.get_tensor_name_map(arch, int(hf_config.num_hidden_layers))
-    by_name = {t.name: t for t in reader.tensors}
     plan = PackedPlan()
     # module path -> shard -> HF name, to keep only layers whose every shard is packed.
     shards: dict[str, dict[Any, str]] = collections.defaultdict(dict)
-    for hf_name, head in _first_block_columns(model_dir):
-        base, _, suffix = hf_name.rpartition(".")
-        gguf_name = name_map.get_name(base)
-        tensor = by_name.get(f"{gguf_name}.{suffix}") if gguf_name else None
-        target = _packable_target(model, hf_name) if tensor is not None else None
-        if tensor is None or target is None:
-            continue
-        qtype = int(tensor.tensor_type)
-        if qtype not in PACKED_TYPES or qtype == BF16:
-            if qtype not in (0, 1, BF16):  # F32, F16, BF16: dense anyway
-                plan.dequantized[hf_name] = tensor.tensor_type.name
-            continue
-        blocks = np.asarray(tensor.data)
-        cols = int(tensor.shape[0])
-        order = _row_order(blocks, qtype, head(PACKED_TYPES[qtype][1]), hf_config)
-        if order is False:
-            logger.warning("%s: GGUF rows match no known order; kept dense", hf_name)
-            plan.dequantized[hf_name] = tensor.tensor_type.name
-            continue
-        data = blocks[order] if order is not None else np.array(blocks)
-        plan.tensors[hf_name] = QuantTensor(qtype, torch.from_numpy(data), cols)
-        shards[target[0]][target[1]] = hf_name
+    with open(gguf_path, "rb") as fh:
+        for hf_name, head in _first_block_columns(model_dir):
+            base, _, suffix = hf_name.rpartition(".")
+            gguf_name = name_map.get_name(base)
+            tensor = table.tensors.get(f"{gguf_name}.{suffix}") if gguf_name else None
+            target = _packable_target(model, hf_name) if tensor is not None else None
+            if tensor is None or target is None:
+                continue
+            qtype = tensor.qtype
+            if qtype not in PACKED_TYPES or qtype == BF16:
+                if qtype not in (0, 1, BF16):  # F32, F16, BF16: dense anyway
+                    plan.dequantized[hf_name] = _ggml_type_name(qtype)
+                continue
+            _, block, size = PACKED_TYPES[qtype]
+            blocks = read_blocks(fh, tensor, block, size)
+            order = _row_order(blocks, qtype, head(block), hf_config)
+            if order is False:
+                logger.warning("%s: GGUF rows match no known order; kept dense", hf_name)
+                plan.dequantized[hf_name] = _ggml_type_name(qtype)
+                continue
+            data = blocks[order] if order is not None else blocks
+            plan.tensors[hf_name] = QuantTensor(qtype, torch.from_numpy(data), tensor.dims[0])
+            shards[target[0]][target[1]] = hf_name
     for module_name, got in shards.items():
         if module_name == EMBEDDING:
             continue
@@ -157,6 +160,15 @@ def plan_packed(gguf_path: Path, model_dir: Path, model: nn.Module) -> PackedPla
             qt = plan.tensors.pop(hf_name)
             plan.dequantized[hf_name] = type_name(qt.qtype)
     return plan
+
+
+def _ggml_type_name(qtype: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"ggml type {qtype}"
 
 
 def prepare(model: nn.Module, plan: PackedPlan) -> None:

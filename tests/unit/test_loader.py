@@ -276,3 +276,45 @@ def test_registry_picks_by_architecture_or_model_type() -> None:
     multimodal = type("Cfg", (), {"architectures": ["LlamaForVision"], "model_type": "llama"})()
     with pytest.raises(ValueError, match="LlamaForVision"):
         get_model_class(multimodal)
+
+
+def test_allocate_empty_is_to_empty() -> None:
+    """``allocate_empty`` (which avoids the meta ``empty_like`` and its sympy import) gives
+    every parameter and buffer what ``to_empty`` gives: shape, dtype, strides, device,
+    parameter type and ``requires_grad``; a non-contiguous buffer keeps its strides."""
+
+    def built() -> torch.nn.Module:
+        with torch.device("meta"):
+            config = LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+            model = LlamaForCausalLM(config)
+            model.register_buffer("transposed", torch.empty(3, 5).t())
+            model.register_buffer("expanded", torch.empty(1, 4).expand(3, 4))
+            model.get_parameter("model.norm.weight").requires_grad_(False)
+        return model
+
+    def layout(model: torch.nn.Module) -> dict[str, Any]:
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return {
+            name: (
+                type(t),
+                tuple(t.shape),
+                t.dtype,
+                t.stride(),
+                t.device,
+                t.requires_grad,
+                t.is_contiguous(),
+            )
+            for name, t in tensors.items()
+        }
+
+    ours = loader.allocate_empty(built(), torch.device("cpu"))
+    reference = built().to_empty(device="cpu")
+    assert layout(ours) == layout(reference)
+    assert all(t.device.type == "cpu" for t in ours.state_dict().values())
