@@ -190,7 +190,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     """TorchAttentionBackend with decode done by a native kernel that reads K/V in place
-    from the paged pool (engine/layers/csrc/paged_decode_cpu.cpp): no padded gather per
+    from the paged pool (engine/layers/csrc/paged_attention.h): no padded gather per
     layer. float32 on the CPU only; extend/prefill stays on SDPA."""
 
     name = "cpu_native"

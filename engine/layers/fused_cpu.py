@@ -1,4 +1,4 @@
-"""Fused CPU kernels for the decoder's element-wise work (csrc/fused_cpu.cpp).
+"""Fused CPU kernels for the decoder's element-wise work (csrc/fused_ops.h).
 
 RMSNorm with its residual add, RoPE and SwiGLU (``silu(gate) * up``) each take one pass
 and one dispatch instead of two or three PyTorch ops; at decode those ops are tiny and

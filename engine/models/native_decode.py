@@ -91,7 +91,9 @@ def why_not(model: nn.Module) -> str | None:
         if any(type(lin) is not FusedLinear or lin.packed is None for lin in linears):
             return "a linear layer is not packed (a dense float32 weight)"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
-    if any(type(norm) is not RMSNorm or norm.fused_add_norm is not fused.add_rms_norm for norm in norms):
+    if any(
+        type(norm) is not RMSNorm or norm.fused_add_norm is not fused.add_rms_norm for norm in norms
+    ):
         return "RMSNorm is not the fused CPU kernel"
     return None
 
