@@ -321,12 +321,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using hiserve_decode::DecodeLayers;
   using hiserve_decode::PackedLinear;
   m.def("qmatmul", &qmatmul, "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, float32");
-  py::class_<PackedLinear>(m, "PackedLinear")
+  // NOTE: module_local: a process may load two builds of this module (the tests load the
+  // AVX2 build beside the native one), and pybind11 registers a global type once.
+  py::class_<PackedLinear>(m, "PackedLinear", py::module_local())
       .def(py::init<int64_t, std::vector<hiserve_decode::Segment>, std::optional<torch::Tensor>>(),
            py::arg("out_features"), py::arg("segments"), py::arg("bias"),
            "a packed linear layer: (first row, blocks, ggml type) segments and a bias")
       .def("__call__", &PackedLinear::operator(), "x [T, in] -> [T, out] float32");
-  py::class_<DecodeLayers>(m, "DecodeLayers")
+  py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, hiserve_decode::Norm>(), py::arg("q_heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("final_norm"))
       .def("add_layer", &DecodeLayers::add_layer, "append a decoder layer (norms, linears)")
