@@ -5,7 +5,7 @@
 // Precision: bf16 has an 8-bit mantissa, so each operand is split into a high and a low
 // bf16 part (v = hi + lo, exact to about 2^-17 of |v|) and each tile product takes the
 // three terms that matter, x_hi w_hi + x_hi w_lo + x_lo w_hi, accumulated in float32 by
-// the tiles. The dropped x_lo w_lo and the split's residue bound each output's error by
+// the tiles (two for bf16 weights, which are their own high part: w_lo is zero). The dropped x_lo w_lo and the split's residue bound each output's error by
 // about 1.1e-5 of the sum of |w x| over its row; measured on random blocks, 3e-6 (float32
 // summation: 1e-6), and tests/unit/test_quant_cpu.py holds both paths to 1e-5. That is
 // far below the block quantization's own error, but not float32's: --dtype float32 (or
@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "quant_blocks.h"
@@ -150,6 +151,10 @@ HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, in
       continue;
     }
     const uint8_t* row = w + (n0 + r) * row_bytes;
+    if constexpr (Q == kBF16) {  // already its own high part; the low part goes unread
+      std::memcpy(hi + r * k_len, row, static_cast<size_t>(k_len) * 2);
+      continue;
+    }
     for (int64_t bi = 0; bi < k_len / kBlock; ++bi) {
       SubScales s;
       block_scales<Q>(row + bi * kBytes, s);
@@ -173,11 +178,12 @@ HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, in
 // accumulate in c ([token block - mb0][row block][16 rows][16 tokens]) across K slices.
 // Two token blocks at a time: four accumulators (2 row blocks x 2 token blocks), so four
 // independent tile products are in flight, each after one tile load. The three terms are
-// three passes over the slice: hi x hi, lo x hi, hi x lo.
+// three passes over the slice: hi x hi, lo x hi, hi x lo; ``exact_weights`` (bf16
+// weights, whose low part is zero) skips the second.
 HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
                                          const uint16_t* xh, const uint16_t* xl,
                                          int64_t k_len, int64_t k0, int64_t k1, int64_t mb0,
-                                         int64_t mb1, float* c) {
+                                         int64_t mb1, float* c, bool exact_weights) {
   const int64_t stride = k_len * 2;  // bytes per packed weight row
   for (int64_t mb = mb0; mb < mb1; mb += 2) {
     const bool pair = mb + 1 < mb1;
@@ -197,6 +203,7 @@ HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
       }
     }
     for (int term = 0; term < 3; ++term) {
+      if (term == 1 && exact_weights) continue;
       const uint16_t* a = term == 1 ? al : ah;
       const uint16_t* b = (term == 2 ? xl : xh) + mb * (k_len / 2) * 32;
       for (int64_t k = k0; k < k1; k += 32) {
@@ -246,7 +253,7 @@ HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t
       if (one_group || mb0 == 0) pack_rows<Q>(w, row_bytes, n0, n_len, k_len, ah, al);
       for (int64_t k0 = 0; k0 < k_len; k0 += kSliceK) {
         amx_slice(ah, al, xh, xl, k_len, k0, std::min<int64_t>(k_len, k0 + kSliceK), mb0, mb1,
-                  c.data);
+                  c.data, Q == kBF16);
       }
       const int64_t rows = std::min<int64_t>(kAmxRows, n_len - n0);
       for (int64_t mb = mb0; mb < mb1; ++mb) {
