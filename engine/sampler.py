@@ -73,10 +73,10 @@ class Sampler:
         if grammar_mask is not None:
             logits = self.apply_grammar(logits, reqs, grammar_mask)
         batch = len(reqs)
+        logits = apply_logit_bias(logits, reqs)  # the same tensor when no row has a bias
         fast = all(
             r.params.greedy
             and r.params.logprobs is None
-            and not r.params.logit_bias
             and not has_penalties(r.params)
             and len(r.output_ids) >= r.params.min_tokens
             for r in reqs
@@ -85,7 +85,6 @@ class Sampler:
             # Fast path: one argmax over the batch, one device -> host transfer.
             return SamplerOutput(self.argmax(logits), [None] * batch)
 
-        logits = apply_logit_bias(logits, reqs)
         logits = self.penalties.apply(logits, reqs)
         logits = self.penalties.ban_until_min_tokens(
             logits, reqs, eos_token_ids, grammar_mask.may_end_rows if grammar_mask else ()
