@@ -25,11 +25,13 @@ across tensors, fused layouts) are converted with ``from_pretrained`` as before.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
-import multiprocessing
+import os
+import subprocess
+import sys
 from collections.abc import Container, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -88,28 +90,50 @@ def convert_gguf(gguf_path: Path, out_dir: Path, packed: bool = False) -> None:
 
 
 def convert_gguf_isolated(gguf_path: Path, out_dir: Path, packed: bool = False) -> None:
-    """``convert_gguf`` in a child process (spawned: the parent may run threads), which
-    raises here what it raised there.
+    """``convert_gguf`` in a child process, whose error is raised here (a RuntimeError
+    naming the child's exception).
 
     NOTE: the conversion's imports (transformers' GGUF reader and model classes), the
     file's mapped pages and the heap it leaves behind stay in the child and go with it:
     in the server's own process they added about 200 MB to its resident memory for good.
+    The child is ``python -m engine.gguf_convert``, not a multiprocessing worker: a spawned
+    worker first runs the parent's main script again, and a script that builds an Engine
+    without an ``if __name__ == "__main__":`` guard would build it again there and wait
+    forever for the conversion lock its parent holds.
     """
+    import engine
+
+    package_root = str(Path(engine.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
     level = logging.getLogger().getEffectiveLevel()
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        1, mp_context=context, initializer=_child_logging, initargs=(level,)
-    ) as pool:
-        pool.submit(_convert_in_child, str(gguf_path), str(out_dir), packed).result()
+    cmd = [sys.executable, "-m", "engine.gguf_convert", str(gguf_path), str(out_dir)]
+    cmd += ["--log-level", str(level)] + (["--packed"] if packed else [])
+    # The child's log lines go to this process's stderr; its stdout carries only the
+    # error line, if any.
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode != 0:
+        error = done.stdout.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        raise RuntimeError(f"converting {gguf_path} failed: {error[0]}")
 
 
-def _convert_in_child(gguf_path: str, out_dir: str, packed: bool) -> None:
-    # Looked up by name in the child's own import of this module.
-    convert_gguf(Path(gguf_path), Path(out_dir), packed)
-
-
-def _child_logging(level: int) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _child_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="convert_gguf, as the loader's child")
+    parser.add_argument("gguf_path", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--packed", action="store_true")
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        convert_gguf(args.gguf_path, args.out_dir, args.packed)
+    except Exception as exc:
+        logger.exception("converting %s failed", args.gguf_path)
+        print(f"{type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+        return 1
+    return 0
 
 
 def is_packed_layout(model_dir: Path) -> bool:
@@ -364,3 +388,7 @@ def _keep_chat_template_in_config(tokenizer: Any, out_dir: Path) -> None:
     if "chat_template" not in config:
         config["chat_template"] = template
         config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
