@@ -100,15 +100,19 @@ def convert_gguf_isolated(gguf_path: Path, out_dir: Path, packed: bool = False) 
     worker first runs the parent's main script again, and a script that builds an Engine
     without an ``if __name__ == "__main__":`` guard would build it again there and wait
     forever for the conversion lock its parent holds.
-    """
-    import engine
 
-    package_root = str(Path(engine.__file__).resolve().parents[1])
+    Modules the parent hides (a ``None`` entry in ``sys.modules``, as the image build's
+    bake_model.py does for torch_musa, whose driver libraries exist only at run time) are
+    hidden in the child too, before transformers and accelerate probe for them.
+    """
+    package_root = str(Path(__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
     level = logging.getLogger().getEffectiveLevel()
     cmd = [sys.executable, "-m", "engine.gguf_convert", str(gguf_path), str(out_dir)]
     cmd += ["--log-level", str(level)] + (["--packed"] if packed else [])
+    for name in sorted(name for name, module in sys.modules.items() if module is None):
+        cmd += ["--hide-module", name]
     # The child's log lines go to this process's stderr; its stdout carries only the
     # error line, if any.
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
@@ -123,7 +127,10 @@ def _child_main(argv: list[str]) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--packed", action="store_true")
     parser.add_argument("--log-level", type=int, default=logging.INFO)
+    parser.add_argument("--hide-module", action="append", default=[])
     args = parser.parse_args(argv)
+    for name in args.hide_module:
+        sys.modules[name] = None  # type: ignore[assignment]
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -122,6 +122,18 @@ def test_a_failed_child_conversion_raises_its_error_here(tmp_path: Path) -> None
     assert "exit code" not in str(info.value)
 
 
+def test_modules_the_parent_hides_are_hidden_in_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The image build hides torch_musa (no MUSA driver during `docker build`); accelerate,
+    # which the conversion imports, would import it and fail. A hidden transformers stands
+    # in for it here: the child must fail at the conversion's first import of it.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    gguf = write_synthetic_gguf(tmp_path / "tiny.gguf", SHAPES["tiny"], default_gguf_path())
+    with pytest.raises(RuntimeError, match=r"failed: ModuleNotFoundError: .*transformers"):
+        gguf_convert.convert_gguf_isolated(gguf, tmp_path / "out")
+
+
 _NO_MAIN_GUARD = """
 import sys
 from engine import Engine, EngineConfig, SamplingParams
