@@ -6,7 +6,8 @@
 One run, one after the other so they never share the CPU: the ``random`` workload of
 ``hiserve-bench`` through ``Engine.generate`` in this process, then through a launched
 ``python -m server`` (radix cache, the bench's own client, streaming, ``max_concurrency``
-in flight). Prints output tokens/s of both and served/offline (goal, issue 13: >= 90%).
+in flight). Prints output tokens/s of both and served/offline (goal: >= 95%, issue 28;
+issue 13 asked for 90%).
 
 It also prints the per-token Python work the serving path adds on top of a step, measured
 on the same prompts: incremental detokenization (it runs on the engine thread, inside
@@ -28,7 +29,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from server.protocol import CompletionChoice, CompletionChunk
 from server.sse import sse_event
 
-GOAL = 0.90
+GOAL = 0.95  # issue 28 (issue 13 asked for 0.90)
 
 
 @dataclass(frozen=True)

@@ -262,12 +262,17 @@ class EngineGrammars:
         self.waiting: list[Req] = []
         self._backend: GrammarBackend | None = None
 
-    def prepare(self) -> bool:
-        """Build the backend now (about 0.5 s) if xgrammar is installed, so the first
-        constrained request does not pay for it on the engine thread."""
+    def prepare(self, start_timeout_s: float = 120.0) -> bool:
+        """Build the backend now (about 0.5 s) if xgrammar is installed, and wait for its
+        compile workers to start, so the first constrained request does not pay for
+        either, and the workers' start does not take the CPU from the first requests."""
         if not xgrammar_available():
             return False
-        _ = self.backend
+        if not self.backend.pool.wait_started(start_timeout_s):
+            logger.warning(
+                "grammar compile workers still starting after %.0f s; serving anyway",
+                start_timeout_s,
+            )
         return True
 
     @property

@@ -143,6 +143,8 @@ class CompilePool:
         self.cached_bytes = 0
         self.kills = 0  # compiles killed at the timeout (tests, logs)
         self._children: list[_Child | None] = [None] * workers
+        # Set once each slot's first worker has started (or failed to start).
+        self._started = [threading.Event() for _ in range(workers)]
         self._slots = [
             threading.Thread(target=self._run_slot, args=(i,), name=f"hiserve-grammar-{i}")
             for i in range(workers)
@@ -152,6 +154,18 @@ class CompilePool:
             slot.start()
 
     # ------------------------------------------------------------------ callers
+    def wait_started(self, timeout_s: float) -> bool:
+        """Block until every slot's first worker has started (or failed to); whether they
+        all did within ``timeout_s``.
+
+        NOTE: a worker's start is about 1.5 s of CPU (Python, torch and xgrammar imports).
+        A server that answers ready before then has the workers take that time from its
+        first requests' steps even at their niceness: on 2 cores the served throughput of
+        the first 15 s fell to 80% of offline (``python -m bench.http_cost``).
+        """
+        deadline = time.monotonic() + timeout_s
+        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._started)
+
     def submit(self, spec: GrammarSpec) -> Future[Any]:
         """The compiled grammar of ``spec``: cached, in flight, or queued now."""
         with self._lock:
@@ -182,6 +196,8 @@ class CompilePool:
             self._child(slot)  # start the worker now, not on the first request
         except Exception as exc:
             logger.warning("grammar compile worker %d did not start: %s", slot, exc)
+        finally:
+            self._started[slot].set()
         while True:
             job = self._jobs.get()
             if job is None:

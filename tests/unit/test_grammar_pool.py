@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -84,6 +85,42 @@ def test_compile_workers_run_nicer_than_the_server(toy_pool: CompilePool) -> Non
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
+def _toy_info() -> Any:
+    pieces = [*string.printable[:95], "<eos>"]
+    return xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, stop_token_ids=[len(pieces) - 1])
+
+
+def test_wait_started_returns_once_every_worker_is_up() -> None:
+    # The server answers ready only after this: a worker still importing takes the CPU
+    # from the first requests' steps.
+    pool = CompilePool(_toy_info(), workers=2, timeout_s=60.0)
+    try:
+        assert pool.wait_started(120.0)
+        assert all(c is not None and c.process.is_alive() for c in pool._children)
+    finally:
+        pool.close()
+
+
+def test_wait_started_counts_a_worker_that_failed_to_start() -> None:
+    # A worker that does not start in time is logged and left to the first compile to
+    # retry; waiting for it must not hang the server's start.
+    pool = CompilePool(_toy_info(), workers=1, timeout_s=60.0, start_timeout_s=0.0)
+    try:
+        assert pool.wait_started(120.0)
+        assert pool._children == [None]
+    finally:
+        pool.close()
+
+
+def test_wait_started_says_when_the_workers_are_late() -> None:
+    pool = CompilePool(_toy_info(), workers=1, timeout_s=60.0)
+    try:
+        assert not pool.wait_started(0.0)  # a spawned worker takes over a second to start
+        assert pool.wait_started(120.0)
+    finally:
+        pool.close()
+
+
 def test_the_cache_is_bounded_in_bytes(toy_pool: CompilePool) -> None:
     specs = [GrammarSpec.regex(f"[a-z]{{1,{k}}}x", "regex") for k in (8, 9, 10)]
     first = toy_pool.submit(specs[0])
@@ -139,3 +176,30 @@ def test_reading_slow_grammars_back_leaves_the_memory_they_took(real_info: Any) 
         assert grown < 150 + compiled.memory_size_bytes / 1e6, grown
     finally:
         pool.close()
+
+
+class _StubPool:
+    def __init__(self, started: bool) -> None:
+        self.started = started
+        self.waits: list[float] = []
+
+    def wait_started(self, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        return self.started
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_preparing_the_grammar_side_waits_for_its_workers(
+    started: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch
+
+    from engine.grammar import EngineGrammars
+
+    grammars = EngineGrammars(None, 96, [95], 60.0, torch.device("cpu"))
+    pool = _StubPool(started)
+    grammars._backend = SimpleNamespace(pool=pool)  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="hiserve.grammar"):
+        assert grammars.prepare(start_timeout_s=7.0)
+    assert pool.waits == [7.0]
+    assert ("still starting" in caplog.text) is not started
