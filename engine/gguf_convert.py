@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Container, Iterator
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.child_process import module_command
 from engine.layers.quant_cpu import BF16, PACKED_TYPES
 from engine.model_files import ModelPathError, safetensors_files
 
@@ -96,26 +96,23 @@ def convert_gguf_isolated(gguf_path: Path, out_dir: Path, packed: bool = False) 
     NOTE: the conversion's imports (transformers' GGUF reader and model classes), the
     file's mapped pages and the heap it leaves behind stay in the child and go with it:
     in the server's own process they added about 200 MB to its resident memory for good.
-    The child is ``python -m engine.gguf_convert``, not a multiprocessing worker: a spawned
-    worker first runs the parent's main script again, and a script that builds an Engine
-    without an ``if __name__ == "__main__":`` guard would build it again there and wait
-    forever for the conversion lock its parent holds.
+    The child runs this module as its ``__main__`` (engine/child_process.py), not as a
+    multiprocessing worker: a spawned worker first runs the parent's main script again,
+    and a script that builds an Engine without an ``if __name__ == "__main__":`` guard
+    would build it again there and wait forever for the conversion lock its parent holds.
 
     Modules the parent hides (a ``None`` entry in ``sys.modules``, as the image build's
     bake_model.py does for torch_musa, whose driver libraries exist only at run time) are
     hidden in the child too, before transformers and accelerate probe for them.
     """
-    package_root = str(Path(__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
     level = logging.getLogger().getEffectiveLevel()
-    cmd = [sys.executable, "-m", "engine.gguf_convert", str(gguf_path), str(out_dir)]
+    cmd = module_command("engine.gguf_convert", str(gguf_path), str(out_dir))
     cmd += ["--log-level", str(level)] + (["--packed"] if packed else [])
     for name in sorted(name for name, module in sys.modules.items() if module is None):
         cmd += ["--hide-module", name]
     # The child's log lines go to this process's stderr; its stdout carries only the
     # error line, if any.
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
         error = done.stdout.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
         raise RuntimeError(f"converting {gguf_path} failed: {error[0]}")

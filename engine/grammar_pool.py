@@ -14,17 +14,21 @@ pages go back to the OS (``trim_heap``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import multiprocessing
 import os
 import queue
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.child_process import module_command
 from engine.grammar_spec import GrammarError, GrammarSpec
 from engine.heap import trim_heap
 
@@ -76,15 +80,16 @@ def _compile_in_child(compiler: Any, kind: str, text: str) -> Any:
     return compiler.compile_grammar(text)
 
 
-def worker_main(conn: Any, tokenizer_info_json: str, niceness: int) -> None:
-    """A compile worker process: (kind, text) in, ("ok", json) or ("error", message) out.
-    It runs at ``niceness`` (on Linux it inherits that from its slot thread already)."""
+def worker_main(conn: Any, niceness: int) -> None:
+    """A compile worker process: the tokenizer's info (its JSON) first, then (kind, text)
+    in, ("ok", json) or ("error", message) out. It runs at ``niceness`` (on Linux it
+    inherits that from its slot thread already)."""
     import xgrammar as xgr
 
     lower_priority(niceness, this_thread=False)
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     try:
+        info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         conn.send(("ready", ""))
         while True:
             kind, text = conn.recv()
@@ -98,22 +103,36 @@ def worker_main(conn: Any, tokenizer_info_json: str, niceness: int) -> None:
 
 
 class _Child:
-    """One worker process and our end of its pipe."""
+    """One worker process (this module as ``__main__``) and our end of its socket.
 
-    def __init__(self, context: Any, tokenizer_info_json: str, niceness: int) -> None:
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(
-            target=worker_main,
-            args=(child_conn, tokenizer_info_json, niceness),
-            name="hiserve-grammar-compile",
-            daemon=True,
-        )
-        self.process.start()
-        child_conn.close()
+    NOTE: a plain child process (engine/child_process.py), not a multiprocessing one: a
+    script that builds an engine without a main guard built a second and a third one in
+    the two spawned workers, whose own start then failed, and every compile retried it.
+    """
+
+    def __init__(self, tokenizer_info_json: str, niceness: int) -> None:
+        ours, theirs = socket.socketpair()
+        cmd = module_command("engine.grammar_pool", str(theirs.fileno()), str(niceness))
+        try:
+            self.process = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),)
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(tokenizer_info_json)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.join(timeout=5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
         self.conn.close()
 
 
@@ -134,8 +153,6 @@ class CompilePool:
         self.start_timeout_s = start_timeout_s
         self._info_json: str = tokenizer_info.serialize_json()
         self._niceness = compile_niceness()
-        # NOTE: spawn, not fork: the parent runs torch and engine threads.
-        self._context = multiprocessing.get_context("spawn")
         self._jobs: queue.Queue[tuple[GrammarSpec, Future[Any]] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending: dict[GrammarSpec, Future[Any]] = {}
@@ -225,8 +242,8 @@ class CompilePool:
 
     def _child(self, slot: int) -> _Child:
         child = self._children[slot]
-        if child is None or not child.process.is_alive():
-            child = _Child(self._context, self._info_json, self._niceness)
+        if child is None or not child.alive():
+            child = _Child(self._info_json, self._niceness)
             if not child.conn.poll(self.start_timeout_s):
                 child.kill()
                 raise RuntimeError("the compile worker did not start")
@@ -280,3 +297,7 @@ class CompilePool:
             while self.cached_bytes > self.cache_bytes:
                 _, (_, evicted) = self._done.popitem(last=False)
                 self.cached_bytes -= evicted
+
+
+if __name__ == "__main__":
+    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))

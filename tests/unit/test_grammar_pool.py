@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import string
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -74,7 +75,7 @@ def test_compile_workers_run_nicer_than_the_server(toy_pool: CompilePool) -> Non
     (child,) = toy_pool._children
     assert child is not None
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    worker = os.getpriority(os.PRIO_PROCESS, child.process.pid)
+    worker = os.getpriority(os.PRIO_PROCESS, child.pid)
     assert worker == min(own + COMPILE_NICENESS, 19)
     assert own == 19 or worker > own
     if sys.platform.startswith("linux"):
@@ -96,7 +97,7 @@ def test_wait_started_returns_once_every_worker_is_up() -> None:
     pool = CompilePool(_toy_info(), workers=2, timeout_s=60.0)
     try:
         assert pool.wait_started(120.0)
-        assert all(c is not None and c.process.is_alive() for c in pool._children)
+        assert all(c is not None and c.alive() for c in pool._children)
     finally:
         pool.close()
 
@@ -203,3 +204,34 @@ def test_preparing_the_grammar_side_waits_for_its_workers(
         assert grammars.prepare(start_timeout_s=7.0)
     assert pool.waits == [7.0]
     assert ("still starting" in caplog.text) is not started
+
+
+_NO_MAIN_GUARD = """
+import os
+from engine import Engine, EngineConfig, SamplingParams
+from engine.grammar_spec import GrammarSpec
+print("script body", os.getpid(), flush=True)
+engine = Engine(EngineConfig(model="default", device="cpu", kv_cache_tokens=512))
+choice = GrammarSpec.choice(["yes", "no"], "guided_choice")
+params = SamplingParams(max_tokens=4, temperature=0, grammar=choice)
+print("text", engine.generate([[1, 2, 3]], [params])[0].text, flush=True)
+engine.close()
+"""
+
+
+def test_a_script_without_a_main_guard_compiles_once(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    # Spawned workers used to run the parent's script again: each built its own engine,
+    # its own start then failed, and every compile started the workers (and the script)
+    # again.
+    script = tmp_path / "constrained_once.py"
+    script.write_text(_NO_MAIN_GUARD)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("script body") for line in lines) == 1, done.stdout
+    assert lines[-1] in ("text yes", "text no")
+    assert "did not start" not in done.stderr

@@ -31,6 +31,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.model_files": 0,
     "engine.hf_config": 0,  # reads a model's config.json (transformers' base class only)
     "engine.heap": 0,
+    "engine.child_process": 0,
     "engine.errors": 0,
     "engine.cache_salt": 0,
     "engine.request": 1,
