@@ -117,10 +117,16 @@ class _Child:
             self.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),)
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send(tokenizer_info_json)
+        # Read once its imports are done. If it died on the way, the caller's start check
+        # (no "ready") reports it.
+        with contextlib.suppress(OSError):
+            self.conn.send(tokenizer_info_json)
 
     @property
     def pid(self) -> int:
