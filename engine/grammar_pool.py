@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -184,7 +185,7 @@ class CompilePool:
         NOTE: a worker's start is about 1.5 s of CPU (Python, torch and xgrammar imports).
         A server that answers ready before then has the workers take that time from its
         first requests' steps even at their niceness: on 2 cores the served throughput of
-        the first 15 s fell to 80% of offline (``python -m bench.http_cost``).
+        the first 15 s fell to 70-84% of offline (``python -m bench.http_cost``).
         """
         deadline = time.monotonic() + timeout_s
         return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._started)
@@ -306,4 +307,7 @@ class CompilePool:
 
 
 if __name__ == "__main__":
+    # A Ctrl-C in the server's terminal reaches its whole process group: the server stops
+    # the workers itself (``close``, or the end of their socket), with no traceback here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))

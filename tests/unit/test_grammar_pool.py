@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import string
 import subprocess
 import sys
@@ -208,6 +209,7 @@ def test_preparing_the_grammar_side_waits_for_its_workers(
 
 _NO_MAIN_GUARD = """
 import os
+import signal
 from engine import Engine, EngineConfig, SamplingParams
 from engine.grammar_spec import GrammarSpec
 print("script body", os.getpid(), flush=True)
@@ -235,3 +237,15 @@ def test_a_script_without_a_main_guard_compiles_once(
     assert sum(line.startswith("script body") for line in lines) == 1, done.stdout
     assert lines[-1] in ("text yes", "text no")
     assert "did not start" not in done.stderr
+
+
+def test_a_worker_outlives_a_ctrl_c_its_server_handles(toy_pool: CompilePool) -> None:
+    # A terminal's Ctrl-C reaches the whole process group; the server stops its workers
+    # itself. A worker must neither die nor print a traceback on it.
+    assert toy_pool.wait_started(120.0)
+    (child,) = toy_pool._children
+    assert child is not None
+    os.kill(child.pid, signal.SIGINT)
+    matcher = xgr.GrammarMatcher(toy_pool.submit(CHOICE).result(timeout=120))
+    assert matcher.accept_string("no") and matcher.is_completed()
+    assert toy_pool._children == [child] and child.alive()
