@@ -32,7 +32,7 @@ def test_served_and_offline_runs_of_one_workload(
     )
     out = capsys.readouterr().out
     assert "offline engine:" in out and "served (HTTP):" in out
-    assert "(goal >= 90%)" in out
+    assert f"(goal >= {100 * http_cost.GOAL:.0f}%)" in out
     assert "per-token serving work: detokenize" in out
 
 
