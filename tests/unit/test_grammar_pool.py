@@ -42,11 +42,14 @@ def real_info(default_model_dir: Path) -> Any:
     return build_tokenizer_info(tokenizer, 49152, [0, 2])
 
 
+def _toy_info() -> Any:
+    pieces = [*string.printable[:95], "<eos>"]
+    return xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, stop_token_ids=[len(pieces) - 1])
+
+
 @pytest.fixture
 def toy_pool() -> Iterator[CompilePool]:
-    pieces = [*string.printable[:95], "<eos>"]
-    info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, stop_token_ids=[len(pieces) - 1])
-    pool = CompilePool(info, workers=1, timeout_s=60.0, cache_bytes=0)
+    pool = CompilePool(_toy_info(), workers=1, timeout_s=60.0, cache_bytes=0)
     yield pool
     pool.close()
 
@@ -85,11 +88,6 @@ def test_compile_workers_run_nicer_than_the_server(toy_pool: CompilePool) -> Non
             assert slot.native_id is not None
             assert os.getpriority(os.PRIO_PROCESS, slot.native_id) == worker
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
-
-
-def _toy_info() -> Any:
-    pieces = [*string.printable[:95], "<eos>"]
-    return xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, stop_token_ids=[len(pieces) - 1])
 
 
 def test_wait_started_returns_once_every_worker_is_up() -> None:

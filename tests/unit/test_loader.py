@@ -29,6 +29,7 @@ from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.registry import get_model_class
+from tests.unit.model_configs import TINY
 from tests.unit.model_driver import GreedyDriver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -285,15 +286,7 @@ def test_allocate_empty_is_to_empty() -> None:
 
     def built() -> torch.nn.Module:
         with torch.device("meta"):
-            config = LlamaConfig(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            )
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(LlamaConfig(**TINY))
             model.register_buffer("transposed", torch.empty(3, 5).t())
             model.register_buffer("expanded", torch.empty(1, 4).expand(3, 4))
             model.get_parameter("model.norm.weight").requires_grad_(False)
