@@ -25,7 +25,7 @@ _BOOT = (
 
 
 def module_command(module: str, *args: str) -> list[str]:
-    """The command that runs ``module`` (e.g. ``engine.grammar_pool``) as ``__main__``
+    """The command that runs ``module`` (e.g. ``engine.grammar_worker``) as ``__main__``
     in a fresh interpreter, with ``args`` as its ``sys.argv[1:]``."""
     root = str(Path(__file__).resolve().parents[1])
     return [sys.executable, "-c", _BOOT.format(root=root, module=module), *args]

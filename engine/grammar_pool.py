@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -73,38 +72,8 @@ def lower_priority(niceness: int, this_thread: bool) -> None:
         logger.warning("grammar compile work keeps the server's priority: %s", exc)
 
 
-def _compile_in_child(compiler: Any, kind: str, text: str) -> Any:
-    if kind == "json_schema":
-        return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-    if kind == "regex":
-        return compiler.compile_regex(text)
-    return compiler.compile_grammar(text)
-
-
-def worker_main(conn: Any, niceness: int) -> None:
-    """A compile worker process: the tokenizer's info (its JSON) first, then (kind, text)
-    in, ("ok", json) or ("error", message) out. It runs at ``niceness`` (on Linux it
-    inherits that from its slot thread already)."""
-    import xgrammar as xgr
-
-    lower_priority(niceness, this_thread=False)
-    try:
-        info = xgr.TokenizerInfo.deserialize_json(conn.recv())
-        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        conn.send(("ready", ""))
-        while True:
-            kind, text = conn.recv()
-            try:
-                reply = ("ok", _compile_in_child(compiler, kind, text).serialize_json())
-            except Exception as exc:  # the constraint's fault: report it, keep serving
-                reply = ("error", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-            conn.send(reply)
-    except (EOFError, OSError):  # the server closed the pipe (shutdown, or a kill)
-        return
-
-
 class _Child:
-    """One worker process (this module as ``__main__``) and our end of its socket.
+    """One worker process (engine/grammar_worker.py) and our end of its socket.
 
     NOTE: a plain child process (engine/child_process.py), not a multiprocessing one: a
     script that builds an engine without a main guard built a second and a third one in
@@ -113,7 +82,7 @@ class _Child:
 
     def __init__(self, tokenizer_info_json: str, niceness: int) -> None:
         ours, theirs = socket.socketpair()
-        cmd = module_command("engine.grammar_pool", str(theirs.fileno()), str(niceness))
+        cmd = module_command("engine.grammar_worker", str(theirs.fileno()), str(niceness))
         try:
             self.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),)
@@ -182,10 +151,11 @@ class CompilePool:
         """Block until every slot's first worker has started (or failed to); whether they
         all did within ``timeout_s``.
 
-        NOTE: a worker's start is about 1.5 s of CPU (Python, torch and xgrammar imports).
-        A server that answers ready before then has the workers take that time from its
-        first requests' steps even at their niceness: on 2 cores the served throughput of
-        the first 15 s fell to 70-84% of offline (``python -m bench.http_cost``).
+        NOTE: a worker's start took 1.5-3 s of CPU while it imported torch (it no longer
+        does: engine/grammar_worker.py; about 0.6 s now). A server that answered ready
+        before then had the workers take that time from its first requests' steps even at
+        their niceness: on 2 cores the served throughput of the first 15 s fell to 70-84%
+        of offline (``python -m bench.http_cost``).
         """
         deadline = time.monotonic() + timeout_s
         return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._started)
@@ -304,10 +274,3 @@ class CompilePool:
             while self.cached_bytes > self.cache_bytes:
                 _, (_, evicted) = self._done.popitem(last=False)
                 self.cached_bytes -= evicted
-
-
-if __name__ == "__main__":
-    # A Ctrl-C in the server's terminal reaches its whole process group: the server stops
-    # the workers itself (``close``, or the end of their socket), with no traceback here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker_main(Connection(int(sys.argv[1])), int(sys.argv[2]))
