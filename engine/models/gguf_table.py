@@ -22,6 +22,7 @@ import io
 import mmap
 import os
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ _SCALARS = {
 }
 _STRING = 8
 _ARRAY = 9
-# The metadata values kept; every other one is skipped.
+# The metadata values always kept; every other one is skipped unless asked for.
 _KEPT = ("general.architecture", "general.alignment")
 
 
@@ -64,6 +65,8 @@ class GGUFTensor:
 class GGUFTable:
     architecture: str | None
     tensors: dict[str, GGUFTensor]
+    # The scalar and string values of the keys read (``_KEPT`` and the ones asked for).
+    metadata: dict[str, object]
 
 
 class _Header:
@@ -109,8 +112,10 @@ class _Header:
         return scalar if keep else None
 
 
-def read_table(path: str | os.PathLike[str]) -> GGUFTable:
-    """The architecture and tensor table of the GGUF file at ``path``."""
+def read_table(path: str | os.PathLike[str], keys: Collection[str] = ()) -> GGUFTable:
+    """The architecture and tensor table of the GGUF file at ``path``, with the values of
+    the metadata ``keys`` that are scalars or strings (arrays are never kept)."""
+    wanted = frozenset(_KEPT).union(keys)
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
         header = _Header(data)
         magic, version = header.unpack("<II")
@@ -126,8 +131,8 @@ def read_table(path: str | os.PathLike[str]) -> GGUFTable:
         for _ in range(kv_count):
             key = header.string()
             (vtype,) = header.unpack("<I")
-            value = header.value(vtype, keep=key in _KEPT)
-            if key in _KEPT:
+            value = header.value(vtype, keep=key in wanted)
+            if value is not None:
                 kept[key] = value
         entries = []
         for _ in range(tensor_count):
@@ -145,7 +150,7 @@ def read_table(path: str | os.PathLike[str]) -> GGUFTable:
             raise ValueError(f"{os.fspath(path)!r}: tensor {name!r} appears twice")
         tensors[name] = GGUFTensor(name, qtype, dims, start + offset)
     architecture = kept.get("general.architecture")
-    return GGUFTable(architecture if isinstance(architecture, str) else None, tensors)
+    return GGUFTable(architecture if isinstance(architecture, str) else None, tensors, kept)
 
 
 def read_blocks(

@@ -76,7 +76,8 @@ def test_packed_layout_keeps_no_dense_copy_of_packable_tensors(default_model_dir
         # The first columns as the full conversion has them (q/k rows un-permuted).
         assert head.shape == (full[name].shape[0], gguf_convert.HEAD_COLS)
         assert torch.equal(head, full[name][:, : gguf_convert.HEAD_COLS]), name
-    for name, tensor in gguf_convert.dense_from_gguf(default_gguf_path(), names):
+    config = json.loads((packed_dir / "config.json").read_text())
+    for name, tensor in gguf_convert.dense_from_gguf(default_gguf_path(), names, config):
         assert torch.equal(tensor, full[name]), name
 
 
@@ -111,6 +112,37 @@ def test_the_loader_converts_in_a_child_process(
     out = resolve_model_path(str(gguf), cache_dir=str(tmp_path / "cache"), packed=True)
     assert gguf_convert.is_packed_layout(out)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_a_conversion_parses_the_header_three_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # transformers parses it for the tokenizer and for the config, and the tensors are
+    # read through one more reader. The metadata strings and the tensor processor used
+    # to parse it three times more (3.9 s each for the default model), and the GGUF ->
+    # HF name map was built once per submodule.
+    import gguf
+
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", SHAPES["tiny"], default_gguf_path())
+    readers: list[str] = []
+    name_maps: list[tuple[object, ...]] = []
+    reader_init = gguf.GGUFReader.__init__
+    name_map = gguf.get_tensor_name_map
+
+    def counted_reader(self: object, *args: object, **kwargs: object) -> None:
+        readers.append(str(args[0]))
+        reader_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def counted_name_map(*args: object) -> object:
+        name_maps.append(args)
+        return name_map(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_name_map)
+    gguf_convert.convert_gguf(path, tmp_path / "out", packed=True)
+    assert len(readers) == 3, readers
+    assert len(name_maps) == 1, len(name_maps)
+    assert gguf.get_tensor_name_map is counted_name_map  # put back
 
 
 def test_a_failed_child_conversion_raises_its_error_here(tmp_path: Path) -> None:

@@ -92,6 +92,22 @@ def test_every_metadata_kind_and_alignment(alignment: int | None, tmp_path: Path
     assert read_table(path).tensors["experts.weight"].dims == (32, 3, 2)
 
 
+def test_the_values_asked_for(tmp_path: Path) -> None:
+    path = _write(tmp_path / "kinds.gguf", None)
+    scalars = ["t.u8", "t.i8", "t.u16", "t.i16", "t.u32", "t.i32", "t.f32", "t.u64", "t.i64"]
+    keys = [*scalars, "t.f64", "t.bool", "t.str", "t.strings", "t.ints", "no.such.key"]
+    metadata = read_table(path, keys=keys).metadata
+    fields = gguf.GGUFReader(str(path)).fields
+    for key in scalars:
+        assert metadata[key] == fields[key].parts[fields[key].data[0]][0], key
+    assert (metadata["t.f64"], metadata["t.bool"], metadata["t.str"]) == (0.25, True, "héllo")
+    # Arrays are passed over, never kept; the architecture is always read.
+    assert "t.strings" not in metadata and "t.ints" not in metadata
+    assert "no.such.key" not in metadata
+    assert metadata["general.architecture"] == "llama"
+    assert "t.str" not in read_table(path).metadata
+
+
 def test_not_a_gguf_and_truncated_data(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"NOPE" + bytes(60))
