@@ -92,6 +92,10 @@ class SchedulerConfig(CacheConfig):
     # None (auto): mixed unless decode steps replay device graphs, whose graphed decode
     # step beats an eager mixed one (measured on an H200; see docs/performance.md, "Mixed batches").
     enable_mixed_batches: bool | None = None
+    # A step carries the prefill that fits in this many milliseconds at the prefill speed
+    # measured so far (at least 64 tokens), so a long prompt never holds every other
+    # request for its whole length (engine/step_budget.py). None: no time cap.
+    prefill_step_budget_ms: float | None = 100.0
     # Context length; None: the model config's max_position_embeddings.
     max_model_len: int | None = None
     max_stop_strings: int = 16
@@ -207,6 +211,10 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"kv_mem_fraction must be in (0, 1], got {self.kv_mem_fraction}")
         if self.hicache_ratio <= 0:
             raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.prefill_step_budget_ms is not None and self.prefill_step_budget_ms <= 0:
+            raise ValueError(
+                f"prefill_step_budget_ms must be > 0 (or None), got {self.prefill_step_budget_ms}"
+            )
         if self.grammar_step_budget_ms <= 0:
             raise ValueError(
                 f"grammar_step_budget_ms must be > 0, got {self.grammar_step_budget_ms}"

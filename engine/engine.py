@@ -214,7 +214,8 @@ class Engine:
     def launch(self, batch: ScheduledBatch, keep_future: bool = False) -> LaunchedStep:
         """Queue ``batch``'s forward and sampling. ``keep_future``: the tokens go into the
         future buffer, referenced by each sampling request until they land."""
-        step = LaunchedStep(batch, self._run(batch))
+        started = time.perf_counter()
+        step = LaunchedStep(batch, self._run(batch), started)
         self.scheduler.land_prefill(batch)
         futures = self.runner.futures
         if keep_future and step.result is not None and futures is not None:
@@ -231,7 +232,9 @@ class Engine:
         if result is not None:
             outputs = self._postprocess(batch, result.token_ids, result.logprobs)
         if not batch.is_decode:
-            self.reporter.log_prefill(batch, time.perf_counter() - step.started)
+            seconds = time.perf_counter() - step.started
+            self.scheduler.step_budget.observe(batch.num_prefill_tokens, seconds)
+            self.reporter.log_prefill(batch, seconds)
         if self.check_invariants:
             self.kv.manager.check_invariants(self.scheduler.running)
         return outputs

@@ -17,8 +17,7 @@ Steps whose sampling reads a request's history on the host (grammar masks, penal
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
@@ -58,7 +57,9 @@ class LaunchedStep:
 
     batch: ScheduledBatch
     result: SamplerOutput | None  # None: no row sampled (prefill chunks only)
-    started: float = field(default_factory=time.perf_counter)
+    # When its forward was queued (``perf_counter``), taken before the forward runs: a
+    # forward on the CPU runs to its end inside the launch.
+    started: float
 
 
 class StepDriver(Protocol):

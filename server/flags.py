@@ -170,6 +170,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         invert=True,
     ),
     FlagSpec(
+        "prefill-step-budget-ms",
+        "size each step's prefill to take about this many milliseconds at the measured "
+        "prefill speed (at least 64 tokens), so a long prompt does not hold every other "
+        "request for its whole length; none: only --max-prefill-tokens",
+        "prefill_step_budget_ms",
+    ),
+    FlagSpec(
         "disable-cuda-graph",
         "run decode steps eagerly instead of replaying device graphs (graphs are on by "
         "default on cuda and musa; the CPU has none)",
