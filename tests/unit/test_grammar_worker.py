@@ -61,8 +61,13 @@ def test_xgrammar_loads_whole_when_the_slim_load_fails() -> None:
     out = _run(
         "import sys\n"
         "from engine import grammar_worker\n"
-        "def broken(name):\n"
-        "    raise RuntimeError('uses torch at load')\n"
+        "placeholder = grammar_worker._placeholder_module\n"
+        "def broken(name):\n"  # fails inside xgrammar's own import, after its binding
+        "    module = placeholder(name)\n"
+        "    def attr(key):\n"
+        "        raise RuntimeError('uses torch at load')\n"
+        "    module.__getattr__ = attr\n"
+        "    return module\n"
         "grammar_worker._placeholder_module = broken\n"
         "xgr, how = grammar_worker.import_xgrammar()\n"
         "info = xgr.TokenizerInfo(['a', 'b', '<eos>'], xgr.VocabType.RAW, stop_token_ids=[2])\n"
