@@ -31,6 +31,7 @@ TOP = {
     "runner",
     "scoring_cost",
     "stats",
+    "step_budget",
     "synthetic_gguf",
     "trace_cost",
     "weights",
