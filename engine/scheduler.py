@@ -60,8 +60,8 @@ class Scheduler:
         self.num_share_preemptions = 0  # retracted to give another client its share
         self.num_reader_pauses = 0  # retracted because their stream's reader is behind
         self.num_mixed_steps = 0  # forwards that held decodes and prefill chunks together
-        # The prefill a mixed step may carry, from the measured prefill speed; the engine
-        # reports each step with prefill to it (``observe``).
+        # The prefill a step may carry in time, from the measured prefill speed; the
+        # engine reports each step with prefill to it (``observe``).
         self.step_budget = PrefillStepBudget(config.prefill_step_budget_ms)
         self.out_of_memory: list[Req] = []  # ended for lack of KV; the engine drains it
         self._last_was_prefill = False
@@ -186,10 +186,10 @@ class Scheduler:
         self._last_was_prefill = False
         decode = self._schedule_decode()
         if decode is None:
-            return self._schedule_prefill(self._prefill_budget(self.config.max_prefill_tokens))
+            return self._schedule_prefill(self.config.max_prefill_tokens)
         # After a retraction KV is short: continue started prefills but admit nobody, or
         # the request just retracted would be admitted again at once.
-        budget = self._prefill_budget(self.config.max_prefill_tokens - decode.num_tokens)
+        budget = self.config.max_prefill_tokens - decode.num_tokens
         prefill = self._schedule_prefill(budget, admit=not decode.retracted)
         if prefill is None:
             return decode
@@ -204,21 +204,17 @@ class Scheduler:
             if batch is not None:
                 self._last_was_prefill = False
                 return batch
-        batch = self._schedule_prefill(self._prefill_budget(self.config.max_prefill_tokens))
+        batch = self._schedule_prefill(self.config.max_prefill_tokens)
         if batch is not None:
             self._last_was_prefill = True
             return batch
         self._last_was_prefill = False
         return self._schedule_decode()
 
-    def _prefill_budget(self, tokens: int) -> int:
-        """``tokens``, or fewer: what fits in the step time budget (engine/step_budget.py)."""
-        timed = self.step_budget.tokens()
-        return tokens if timed is None else min(tokens, timed)
-
     def _schedule_prefill(self, budget: int, admit: bool = True) -> ScheduledBatch | None:
-        """Prefill chunks of at most ``budget`` tokens in all: started prompts continue
-        first, then waiting requests are admitted (unless ``admit`` is False)."""
+        """Prefill chunks of at most ``budget`` tokens in all (fewer where the step time
+        budget says so, engine/step_budget.py): started prompts continue first, then
+        waiting requests are admitted (unless ``admit`` is False)."""
         chunk_cap = self.config.chunked_prefill_size
         reqs: list[Req] = []
         starts: list[int] = []
@@ -237,12 +233,14 @@ class Scheduler:
 
         # Unfinished chunked prefills continue first. A request with exactly one token
         # left to compute is decode-ready: the decode step computes it and samples.
-        # While requests wait, they take at most half of a step the time budget cuts
-        # short: the rest admits the waiting ones, or a long prompt cut into small chunks
-        # would keep every newcomer out until its end.
+        # Under a time budget, while requests wait, started prompts take at most half of
+        # the step: the rest admits the waiting ones, or a long prompt cut into small
+        # chunks would keep every newcomer out until its end.
         timed = self.step_budget.tokens()
+        if timed is not None:
+            budget = min(budget, timed)
         started_left = budget
-        if admit and self.waiting and timed is not None and budget <= timed:
+        if admit and self.waiting and timed is not None:
             started_left = max(1, budget // 2)
         for req in self.running:
             if req.kv_len >= req.seq_len - 1:
