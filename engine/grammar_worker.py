@@ -32,15 +32,21 @@ logger = logging.getLogger("hiserve.grammar")
 UNUSED_BY_COMPILES = ("torch", "transformers")
 
 
+def _stand_in(name: str) -> Any:
+    """What a placeholder module, or a placeholder in it, gives for attribute ``name``: a
+    new placeholder; dunder names are missing, as Python's machinery expects."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Placeholder(name, (), {})
+
+
 class _Placeholder(type):
     """Whatever a placeholder module is asked for at import time: a class (usable as a
     base class, an annotation, a default value), and calling or indexing one gives it
     back. Nothing a compile runs touches these."""
 
     def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Placeholder(name, (), {})
+        return _stand_in(name)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         return cls
@@ -51,13 +57,7 @@ class _Placeholder(type):
 
 def _placeholder_module(name: str) -> types.ModuleType:
     module = types.ModuleType(name, f"stands in for {name} while xgrammar loads")
-
-    def __getattr__(attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Placeholder(attr, (), {})
-
-    module.__getattr__ = __getattr__  # type: ignore[method-assign]
+    module.__getattr__ = _stand_in  # type: ignore[method-assign]
     return module
 
 

@@ -4,7 +4,6 @@ is cut up is admitted at once instead of after its last chunk."""
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from engine.sampler_output import SamplerOutput
 from engine.scheduled_batch import ScheduledBatch
 from engine.step_budget import FIRST_PREFILL_TOKENS, MIN_PREFILL_TOKENS, PrefillStepBudget
 from tests.unit.cpu_engine import checked_engine
+from tests.unit.model_configs import random_prompts
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -44,11 +44,6 @@ def test_the_budget_must_be_positive() -> None:
         EngineConfig(model="default", prefill_step_budget_ms=0)
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 30000) for _ in range(length)]
-
-
 def _run(engine: Engine, fixed_tokens: int | None) -> tuple[list[int], int, dict[str, list[int]]]:
     """A 600-token prompt, then an 8-token one after the first step. Returns each step's
     prefill tokens, the step the short request first ran in, and the tokens of both."""
@@ -66,7 +61,8 @@ def _run(engine: Engine, fixed_tokens: int | None) -> tuple[list[int], int, dict
         return batch
 
     engine.scheduler.schedule = recorded  # type: ignore[method-assign]
-    long_id = engine.add_request(_prompt(600, 1), GREEDY)
+    long_prompt, short_prompt = random_prompts([600, 8], seed=1)
+    long_id = engine.add_request(long_prompt, GREEDY)
     outputs: dict[str, list[int]] = {}
     short_id = ""
     short_at = 0
@@ -75,7 +71,7 @@ def _run(engine: Engine, fixed_tokens: int | None) -> tuple[list[int], int, dict
             if out.finished:
                 outputs[out.request_id] = out.token_ids
         if not short_id:
-            short_id = engine.add_request(_prompt(8, 2), GREEDY)
+            short_id = engine.add_request(short_prompt, GREEDY)
             short_at = len(steps) + 1
     return steps, short_at, {"long": outputs[long_id], "short": outputs[short_id]}
 
@@ -113,5 +109,5 @@ def test_a_step_is_timed_from_before_its_forward(tiny_llama_dir: Path) -> None:
         return run(batch)
 
     engine.runner.run = slow  # type: ignore[method-assign]
-    engine.generate([_prompt(100, 3)], GREEDY)
+    engine.generate(random_prompts([100], seed=3), GREEDY)
     assert seen[0][0] == 100 and seen[0][1] >= 0.2, seen
