@@ -17,7 +17,8 @@ Two layouts:
   written dense. ``HEADS_FILE`` holds only the first ``HEAD_COLS`` columns of each, as
   transformers would have converted them (what ``gguf_packed`` compares the file's rows
   against to find their order), and its metadata names each one's GGUF tensor. A tensor
-  the model ends up not packing is dequantized from the GGUF at load (``dense_weights``).
+  the model ends up not packing is dequantized from the GGUF at load
+  (engine/gguf_layout.py reads both layouts).
 
 Families whose tensor processor needs the whole checkpoint at once (MoE experts stacked
 across tensors, fused layouts) are converted with ``from_pretrained`` as before.
@@ -32,7 +33,7 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +41,19 @@ import numpy as np
 import torch
 
 from engine.child_process import module_command
+from engine.gguf_layout import (
+    HEAD_COLS,
+    HEADS_FILE,
+    INDEX_FILE,
+    dequantized,
+    gguf_processor,
+)
 from engine.layers.quant_cpu import BF16, PACKED_TYPES
-from engine.model_files import ModelPathError, safetensors_files
 from engine.models.gguf_table import read_table
 
 logger = logging.getLogger(__name__)
 
 SHARD_BYTES = 1 << 30
-HEADS_FILE = "gguf_packed_heads.safetensors"
-# Columns kept of a packed tensor's first block (enough to tell its rows' order apart).
-HEAD_COLS = 8
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def gguf_metadata_string(gguf_path: Path, key: str) -> str | None:
@@ -139,87 +142,10 @@ def _child_main(argv: list[str]) -> int:
     return 0
 
 
-def is_packed_layout(model_dir: Path) -> bool:
-    """Whether ``model_dir`` was converted with ``packed=True`` (needs its GGUF to load)."""
-    return (Path(model_dir) / HEADS_FILE).is_file()
-
-
-def packed_heads(model_dir: Path) -> dict[str, torch.Tensor]:
-    """A packed layout's packable tensors, HF name -> the first ``HEAD_COLS`` columns."""
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(model_dir) / HEADS_FILE))
-
-
-def packed_gguf_names(model_dir: Path) -> dict[str, str]:
-    """A packed layout's packable tensors, HF name -> GGUF tensor name."""
-    from safetensors import safe_open
-
-    with safe_open(str(Path(model_dir) / HEADS_FILE), framework="pt", device="cpu") as fh:
-        names = dict(fh.metadata() or {})
-    names.pop("format", None)
-    return names
-
-
-def dense_from_gguf(
-    gguf_path: Path, wanted: dict[str, str], config: Mapping[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, float32 tensor)`` for each ``hf_name -> GGUF tensor name`` in
-    ``wanted``, dequantized and put in transformers' row order (``config``: the model's
-    HF config as a dict)."""
-    import gguf
-
-    if not wanted:
-        return
-    processor = _processor(gguf_path, config)
-    by_name = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
-    for hf_name, gguf_name in wanted.items():
-        tensor = by_name[gguf_name]
-        yield hf_name, _dequantized(processor, tensor, tensor.data)
-
-
-def dense_weights(
-    model_dir: Path, gguf_path: Path | None, skip: Container[str] = ()
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, float32 tensor)`` for every weight of a converted directory but those
-    in ``skip`` (never read); a packed layout's packable tensors, which it holds only as
-    first columns, are dequantized from ``gguf_path``."""
-    from safetensors import safe_open
-
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                if name not in skip:
-                    yield name, fh.get_tensor(name)
-    if not is_packed_layout(model_dir):
-        return
-    if gguf_path is None:
-        raise ModelPathError(
-            f"{model_dir} was converted for packed GGUF weights; load it with its GGUF file"
-        )
-    names = {n: g for n, g in packed_gguf_names(model_dir).items() if n not in skip}
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    yield from dense_from_gguf(gguf_path, names, config)
-
-
 # ---- internals --------------------------------------------------------------------------
 
 # transformers' tensor processors that work on one tensor alone (the rest gather several).
 _STREAMABLE = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor")
-
-
-def _processor(gguf_path: Path, config: Mapping[str, Any]) -> Any:
-    """The family's tensor processor, given the model's HF ``config`` as a dict.
-
-    NOTE: transformers builds it from the config its GGUF reader parses; the fields a
-    one-tensor processor reads (Llama's ``num_attention_heads`` and
-    ``num_key_value_heads``) are the same ones the HF config holds, which is already at
-    hand. Parsing the header again took 3.9 s for the default model.
-    """
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    arch = read_table(gguf_path).architecture or ""
-    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=dict(config))
 
 
 @contextlib.contextmanager
@@ -245,7 +171,7 @@ def _processor_and_names(gguf_path: Path, skeleton: Any) -> tuple[Any, dict[str,
     processor is not one that handles a tensor alone."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    processor = _processor(gguf_path, skeleton.config.to_dict())
+    processor = gguf_processor(gguf_path, skeleton.config.to_dict())
     if type(processor).__name__ not in _STREAMABLE:
         return None, {}
     with _name_maps_made_once():
@@ -275,10 +201,10 @@ def _stream_tensors(
             # from it.
             block = PACKED_TYPES[qtype][2]
             first = np.ascontiguousarray(np.asarray(tensor.data)[:, :block])
-            heads[hf_name] = _dequantized(processor, tensor, first)[:, :HEAD_COLS].contiguous()
+            heads[hf_name] = dequantized(processor, tensor, first)[:, :HEAD_COLS].contiguous()
             head_names[hf_name] = tensor.name
             continue
-        shards.add(hf_name, _dequantized(processor, tensor, tensor.data))
+        shards.add(hf_name, dequantized(processor, tensor, tensor.data))
     shards.close()
     if packed:
         _save_heads(out_dir, heads, head_names)
@@ -288,17 +214,6 @@ def _save_heads(out_dir: Path, heads: dict[str, torch.Tensor], names: dict[str, 
     from safetensors.torch import save_file
 
     save_file(heads, str(out_dir / HEADS_FILE), metadata={"format": "pt", **names})
-
-
-def _dequantized(processor: Any, tensor: Any, data: np.ndarray) -> torch.Tensor:
-    """``data`` (all of GGUF ``tensor``'s bytes, or its first block column) as float32,
-    in transformers' row order."""
-    import gguf
-
-    weights = gguf.quants.dequantize(data, tensor.tensor_type)
-    weights = processor.process(weights=weights, name=tensor.name).weights
-    # F32 tensors dequantize to a read-only view of the file's map: copy those only.
-    return torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
 
 
 class _ShardWriter:

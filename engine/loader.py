@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from engine import gguf_convert
+from engine import gguf_layout
 from engine.gguf_convert import convert_gguf_isolated
 from engine.layers import triton_ops
 from engine.layers.attention import get_attention_backend
@@ -90,9 +90,9 @@ def converted_dir_name(gguf_path: Path, packed: bool = False) -> str:
 
 
 def _is_complete(model_dir: Path, packed: bool = False) -> bool:
-    files = ("config.json", "tokenizer.json") + ((gguf_convert.HEADS_FILE,) if packed else ())
+    files = ("config.json", "tokenizer.json") + ((gguf_layout.HEADS_FILE,) if packed else ())
     weights = (model_dir / "model.safetensors").is_file() or (
-        model_dir / gguf_convert.INDEX_FILE
+        model_dir / gguf_layout.INDEX_FILE
     ).is_file()
     return weights and all((model_dir / name).is_file() for name in files)
 
@@ -239,10 +239,10 @@ def load_model(
     elif tp is not None and sharded:
         slicer = tp_shard.CheckpointSlicer(hf_config, tp)
         load_named_weights(
-            model, gguf_convert.dense_weights(Path(path), gguf_path), model.map_name, slicer
+            model, gguf_layout.dense_weights(Path(path), gguf_path), model.map_name, slicer
         )
     else:
-        model.load_weights(gguf_convert.dense_weights(Path(path), gguf_path))
+        model.load_weights(gguf_layout.dense_weights(Path(path), gguf_path))
     if bf16_weights and device.type == "cpu":
         from engine.models.bf16_weights import use_bf16_weights
 

@@ -1,9 +1,9 @@
 """GGUF weights kept packed on the CPU: which tensors, in what row order, and loading them.
 
-The converted directory (engine/gguf_convert.py; its packed layout) still supplies the
-config, the tokenizer and every tensor that stays dense (norms, biases, unsupported
-types). The weights of the linear layers, and the embedding table, whose GGUF type the
-packed kernel takes (``quant_cpu.PACKED_TYPES``) come from the GGUF file itself as
+The converted directory (written by engine/gguf_convert.py, read through
+engine/gguf_layout.py) still supplies the config, the tokenizer and every tensor that
+stays dense (norms, biases, unsupported types). The weights of the linear layers, and the
+embedding table, whose GGUF type the packed kernel takes (``quant_cpu.PACKED_TYPES``) come from the GGUF file itself as
 blocks: the model never holds a float32 copy of them.
 
 Row order: llama.cpp's converter permutes the rows of some tensors (Llama's q and k, for
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine import gguf_convert
+from engine import gguf_layout
 from engine.layers.linear import ALL_SHARDS, FusedLinear
 from engine.layers.quant_cpu import (
     BF16,
@@ -190,8 +190,8 @@ def prepare(model: nn.Module, plan: PackedPlan) -> None:
 def iter_weights(model_dir: Path, plan: PackedPlan, gguf_path: Path) -> Iterator[tuple[str, Any]]:
     """``(hf_name, tensor)`` of the converted directory, with the planned weights as
     ``QuantTensor`` (their dense copy is never read). In a packed layout
-    (``gguf_convert``) a weight left out of the plan is dequantized from the GGUF."""
-    yield from gguf_convert.dense_weights(model_dir, gguf_path, skip=plan.tensors)
+    (``gguf_layout``) a weight left out of the plan is dequantized from the GGUF."""
+    yield from gguf_layout.dense_weights(model_dir, gguf_path, skip=plan.tensors)
     yield from plan.tensors.items()
 
 
@@ -207,8 +207,8 @@ def _first_block_columns(model_dir: Path) -> Iterator[tuple[str, Any]]:
             for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 view = fh.get_slice(name)
                 yield name, lambda n, view=view: view[:, :n].numpy()
-    if gguf_convert.is_packed_layout(model_dir):
-        for name, tensor in gguf_convert.packed_heads(model_dir).items():
+    if gguf_layout.is_packed_layout(model_dir):
+        for name, tensor in gguf_layout.packed_heads(model_dir).items():
             yield name, lambda n, tensor=tensor: tensor[:, :n].numpy()
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench.synthetic_gguf import SHAPES, write_synthetic_gguf
-from engine import gguf_convert
+from engine import gguf_convert, gguf_layout
 from engine.loader import default_gguf_path, iter_safetensors, load_model, resolve_model_path
 from engine.model_files import safetensors_files
 
@@ -52,7 +52,7 @@ def test_small_shards_and_their_index(
     gguf_convert.convert_gguf(default_gguf_path(), tmp_path)
     files = safetensors_files(tmp_path)
     assert len(files) > 5  # 538 MB of float32 in shards of >= 50 MB
-    index = json.loads((tmp_path / gguf_convert.INDEX_FILE).read_text())
+    index = json.loads((tmp_path / gguf_layout.INDEX_FILE).read_text())
     assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
     assert index["metadata"]["total_size"] == sum(
         t.numel() * 4 for _, t in iter_safetensors(default_model_dir)
@@ -65,19 +65,19 @@ def test_small_shards_and_their_index(
 @pytest.mark.slow
 def test_packed_layout_keeps_no_dense_copy_of_packable_tensors(default_model_dir: Path) -> None:
     packed_dir = resolve_model_path("default", packed=True)
-    assert packed_dir != default_model_dir and gguf_convert.is_packed_layout(packed_dir)
+    assert packed_dir != default_model_dir and gguf_layout.is_packed_layout(packed_dir)
     dense_bytes = sum(f.stat().st_size for f in safetensors_files(packed_dir))
     assert dense_bytes < 1e6  # the norms: 211 Q4_1/Q8_0 tensors left out, of 538 MB
-    heads = gguf_convert.packed_heads(packed_dir)
-    names = gguf_convert.packed_gguf_names(packed_dir)
+    heads = gguf_layout.packed_heads(packed_dir)
+    names = gguf_layout.packed_gguf_names(packed_dir)
     full = dict(iter_safetensors(default_model_dir))
     assert len(heads) == len(names) == 211
     for name, head in heads.items():
         # The first columns as the full conversion has them (q/k rows un-permuted).
-        assert head.shape == (full[name].shape[0], gguf_convert.HEAD_COLS)
-        assert torch.equal(head, full[name][:, : gguf_convert.HEAD_COLS]), name
+        assert head.shape == (full[name].shape[0], gguf_layout.HEAD_COLS)
+        assert torch.equal(head, full[name][:, : gguf_layout.HEAD_COLS]), name
     config = json.loads((packed_dir / "config.json").read_text())
-    for name, tensor in gguf_convert.dense_from_gguf(default_gguf_path(), names, config):
+    for name, tensor in gguf_layout.dense_from_gguf(default_gguf_path(), names, config):
         assert torch.equal(tensor, full[name]), name
 
 
@@ -110,7 +110,7 @@ def test_the_loader_converts_in_a_child_process(
     monkeypatch.setattr(gguf_convert, "_stream_tensors", _converting_here_fails)
     gguf = write_synthetic_gguf(tmp_path / "tiny.gguf", SHAPES["tiny"], default_gguf_path())
     out = resolve_model_path(str(gguf), cache_dir=str(tmp_path / "cache"), packed=True)
-    assert gguf_convert.is_packed_layout(out)
+    assert gguf_layout.is_packed_layout(out)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 

@@ -53,6 +53,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.kv_setup": 3,
     "engine.models": 4,
     "engine.gguf_convert": 4,  # uses the packed kernel's type table (engine.layers)
+    "engine.gguf_layout": 4,  # reads a converted directory (engine.models' GGUF table)
     "engine.penalties": 2,
     "engine.sampler": 4,
     "engine.future_tokens": 4,
