@@ -11,7 +11,6 @@ short request sent as client "a": it then waits until a's requests finish.
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 from engine import Engine, SamplingParams
 from engine.client_share import MAX_PREEMPTIONS_PER_STEP, ClientShare, client_of
 from tests.unit.cpu_engine import checked_engine
+from tests.unit.model_configs import random_prompts
 
 MAX_RUNNING = 8
 LONG_TOKENS = 40
@@ -28,16 +28,13 @@ LONG = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True, cl
 SHORT = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(length)]
-
-
 def _run(engine: Engine, short_client: str) -> tuple[int, dict[str, list[int]], int]:
     """Steps until the short request finished, every long request's tokens, and how
     many share preemptions the run made."""
     before = engine.stats()["share_preemptions_total"]
-    longs = [engine.add_request(_prompt(24, seed), LONG) for seed in range(MAX_RUNNING + 4)]
+    longs = [
+        engine.add_request(random_prompts([24], seed)[0], LONG) for seed in range(MAX_RUNNING + 4)
+    ]
     finished: dict[str, list[int]] = {}
     steps = 0
     for _ in range(4):  # a's requests fill the room and start decoding
@@ -46,7 +43,7 @@ def _run(engine: Engine, short_client: str) -> tuple[int, dict[str, list[int]], 
             assert not out.finished
     assert engine.stats()["waiting"] > 0
     short = dataclasses.replace(SHORT, client=short_client)
-    short_id = engine.add_request(_prompt(8, 99), short)
+    short_id = engine.add_request(random_prompts([8], 99)[0], short)
     short_steps = 0
     while engine.has_work:
         steps += 1

@@ -17,17 +17,15 @@ from engine import Engine, SamplingParams
 from engine.prefill_sharing import common_prefix_len
 from engine.request import RequestOutput
 from tests.unit.cpu_engine import checked_engine
+from tests.unit.model_configs import random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# The test prompts (the reference fixture's greedy tokens are for these).
+SHARED, UNRELATED, LONG = random_prompts([60, 25, 70])
 
 
 def _engine(model_dir: Path, **kw: object) -> Engine:
     return checked_engine(model_dir, **{"kv_cache_tokens": 2048, **kw})
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(length)]
 
 
 def _check_idle(engine: Engine) -> None:
@@ -44,7 +42,7 @@ def _computed(outs: list[RequestOutput]) -> int:
 def reference(tiny_llama_dir: Path) -> dict[tuple[int, ...], list[int]]:
     """Greedy tokens of each test prompt from an engine with the prefix cache off."""
     engine = _engine(tiny_llama_dir, enable_prefix_cache=False)
-    prompts = [_prompt(60, 1), _prompt(25, 2), _prompt(70, 3)]
+    prompts = [SHARED, UNRELATED, LONG]
     outs = engine.generate(prompts, GREEDY)
     return {tuple(p): o.token_ids for p, o in zip(prompts, outs, strict=True)}
 
@@ -54,7 +52,7 @@ def test_copies_share_one_prefill_and_unrelated_requests_are_not_held_back(
     tiny_llama_dir: Path, reference: dict[tuple[int, ...], list[int]], page_size: int
 ) -> None:
     engine = _engine(tiny_llama_dir, page_size=page_size)
-    shared, unrelated = _prompt(60, 1), _prompt(25, 2)
+    shared, unrelated = SHARED, UNRELATED
     prompts = [shared] * 4 + [unrelated]
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     # The first prefill batch holds one copy and the unrelated prompt; the copies wait.
@@ -88,7 +86,7 @@ def test_chunked_prefill_copies_wait_for_every_chunk(
     """A long prompt cut into chunks: the copies wait until its last chunk lands, and each
     prefill step computes one chunk (an abort waits for one chunk at most)."""
     engine = _engine(tiny_llama_dir, chunked_prefill_size=16, max_prefill_tokens=256)
-    prompt = _prompt(70, 3)
+    prompt = LONG
     ids = [engine.add_request(prompt, GREEDY) for _ in range(4)]
     finals: dict[str, RequestOutput] = {}
     while engine.has_work:
@@ -113,7 +111,7 @@ def test_cache_off_never_waits(
     tiny_llama_dir: Path, reference: dict[tuple[int, ...], list[int]]
 ) -> None:
     engine = _engine(tiny_llama_dir, enable_prefix_cache=False)
-    prompt = _prompt(60, 1)
+    prompt = SHARED
     outs = engine.generate([prompt] * 3, GREEDY)
     assert _computed(outs) == 3 * len(prompt)
     assert all(out.token_ids == reference[tuple(prompt)] for out in outs)
@@ -124,7 +122,7 @@ def test_tight_kv_budget_still_finishes(
 ) -> None:
     """A pool that holds barely more than one copy: the copies share, nothing deadlocks."""
     engine = _engine(tiny_llama_dir, kv_cache_tokens=96, max_running_requests=4)
-    prompt = _prompt(60, 1)
+    prompt = SHARED
     outs = engine.generate([prompt] * 4, GREEDY)
     _check_idle(engine)
     assert all(out.token_ids == reference[tuple(prompt)] for out in outs)
@@ -135,7 +133,7 @@ def test_abort_of_the_request_waited_for_releases_the_waiters(
     tiny_llama_dir: Path, reference: dict[tuple[int, ...], list[int]]
 ) -> None:
     engine = _engine(tiny_llama_dir, chunked_prefill_size=16)
-    prompt = _prompt(70, 3)
+    prompt = LONG
     first = engine.add_request(prompt, GREEDY)
     later = [engine.add_request(prompt, GREEDY) for _ in range(2)]
     engine.step()  # the first chunk of the first copy; the others wait

@@ -8,12 +8,12 @@ the small request waits until the copies ahead of it have been admitted.
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 
 from engine import Engine, SamplingParams
 from engine.group_turns import GROUP_ADMITS_PER_STEP
 from tests.unit.cpu_engine import checked_engine
+from tests.unit.model_configs import random_prompts
 
 COPIES = 32
 MAX_RUNNING = 8
@@ -21,18 +21,13 @@ COPY = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 SMALL = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(length)]
-
-
 def _steps_until_small_finishes(engine: Engine, grouped: bool) -> tuple[int, dict[str, list[int]]]:
-    shared = _prompt(64, 7)
+    shared = random_prompts([64], 7)[0]
     engine.generate([shared], COPY)  # the prefix is cached: no copy waits on another
     copy = dataclasses.replace(COPY, group="big" if grouped else None)
     small = dataclasses.replace(SMALL, group="small" if grouped else None)
     ids = [engine.add_request(shared, copy) for _ in range(COPIES)]
-    small_id = engine.add_request(_prompt(8, 8), small)
+    small_id = engine.add_request(random_prompts([8], 8)[0], small)
     finished: dict[str, list[int]] = {}
     steps = 0
     small_done_at = 0
