@@ -239,6 +239,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="cpu", help="engine device (cpu, cuda, musa:0, ...)")
     parser.add_argument(
+        "--prefill-step-budget-ms",
+        type=float,
+        default=None,
+        help="the server flag (unset: off, only the token limits)",
+    )
+    parser.add_argument(
         "--tp",
         "--tensor-parallel-size",
         dest="tp",
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
             enable_mixed_batches=False if args.disable_mixed_batches else None,
             tensor_parallel_size=args.tp,
             disable_overlap_schedule=args.disable_overlap_schedule,
+            prefill_step_budget_ms=args.prefill_step_budget_ms,
         )
     )
     try:

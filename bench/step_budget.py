@@ -2,6 +2,7 @@
 
     python -m bench.step_budget [--model default] [--budgets none 100 50] [--reps 5]
                                 [--long-len 480] [--long-count 2] [--short-tokens 8]
+                                [--batch 16] [--batch-prompt-len 400 800]
 
 Issue 25's ``copies_flood`` measures it through HTTP with a canary sent every 0.5 s,
 whose phase against the long prefill step is chance; here the timing is set. One engine
@@ -18,6 +19,11 @@ scenarios in every repetition, the budgets taken in turn:
 For each it prints medians of the short request's latency (added to finished) and of
 the long prompts' time to first token, and each budget's ratio to ``none``. The first
 repetition warms up and is not counted.
+
+What the budget costs: the output tokens/s of a batch of ``--batch`` requests arriving
+together, prompts of ``--batch-prompt-len`` tokens and 16-64 output tokens (bench.offline's
+workload; 0: not measured), whose prompts a budget cuts into many small steps, each of
+which reads every weight once more. Medians of the same repetitions.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import random
 import statistics
 import time
 
+from bench.offline import make_workload, run_engine
 from engine import Engine, EngineConfig, SamplingParams
 
 SCENARIOS = ("arrives", "running")
@@ -94,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-count", type=int, default=2)
     parser.add_argument("--short-tokens", type=int, default=8)
     parser.add_argument("--arrive-after", type=float, default=0.1)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--batch-prompt-len", type=int, nargs=2, default=(400, 800), metavar=("MIN", "MAX")
+    )
     args = parser.parse_args(argv)
     budgets = [None if b == "none" else float(b) for b in args.budgets]
     longs = [_prompt(args.long_len, seed) for seed in range(args.long_count)]
@@ -103,13 +114,21 @@ def main(argv: list[str] | None = None) -> None:
             EngineConfig(
                 model=args.model,
                 device="cpu",
-                kv_cache_tokens=max(4096, 2 * args.long_len * args.long_count),
+                kv_cache_tokens=max(
+                    4096,
+                    2 * args.long_len * args.long_count,
+                    args.batch * (args.batch_prompt_len[1] + 64),
+                ),
                 prefill_step_budget_ms=b,
             )
         )
         for b in budgets
     }
     results: dict[tuple[str, float | None], list[tuple[float, float]]] = {}
+    batch_prompts, batch_outs = make_workload(
+        args.batch, 0, (100, 30000), tuple(args.batch_prompt_len), (16, 64)
+    )
+    throughput: dict[float | None, list[float]] = {}
     try:
         for rep in range(args.reps + 1):
             for scenario in SCENARIOS:
@@ -119,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
                     )
                     if rep:  # the first repetition warms up
                         results.setdefault((scenario, budget), []).append(measured)
+            for budget, engine in engines.items():
+                if args.batch and rep:
+                    rate = run_engine(engine, batch_prompts, batch_outs)
+                    throughput.setdefault(budget, []).append(rate)
     finally:
         for engine in engines.values():
             engine.close()
@@ -138,6 +161,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{scenario:<9} {name:>9} {short_s:>8.3f} {_ratio(short_s, base_short):>7} "
                 f"{ttft_s:>12.3f} {_ratio(ttft_s, base_ttft):>7}"
             )
+    if not throughput:
+        return
+    lo, hi = args.batch_prompt_len
+    print(f"batch of {args.batch}, prompts {lo}-{hi} tokens, 16-64 output tokens each:")
+    base = statistics.median(throughput[None]) if None in throughput else float("nan")
+    for budget in budgets:
+        rate = statistics.median(throughput[budget])
+        name = "none" if budget is None else f"{budget:g}"
+        print(f"{'batch':<9} {name:>9} {rate:>8.1f} tok/s {_ratio(rate, base):>7}")
 
 
 def _medians(runs: list[tuple[float, float]]) -> tuple[float, float]:

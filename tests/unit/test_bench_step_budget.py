@@ -1,5 +1,5 @@
-"""bench.step_budget: both scenarios on every budget, and the short request's latency
-counted from its arrival (the step in progress then included)."""
+"""bench.step_budget: both scenarios and the batch's throughput on every budget, and the
+short request's latency counted from its arrival (the step in progress then included)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,15 @@ def test_every_scenario_and_budget_gets_a_row(
             "2",
             "--arrive-after",
             "0",
+            "--batch",
+            "3",
+            "--batch-prompt-len",
+            "20",
+            "30",
         ]
     )
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:6]]
     assert [(r[0], r[1]) for r in rows] == [
         ("arrives", "none"),
         ("arrives", "50"),
@@ -40,6 +46,13 @@ def test_every_scenario_and_budget_gets_a_row(
         ("running", "50"),
     ]
     assert all(r[3] == "1.00" for r in rows if r[1] == "none")
+    assert lines[6].startswith("batch of 3, prompts 20-30 tokens")
+    batch = [line.split() for line in lines[7:]]
+    assert [(r[0], r[1], r[3]) for r in batch] == [
+        ("batch", "none", "tok/s"),
+        ("batch", "50", "tok/s"),
+    ]
+    assert float(batch[0][2]) > 0 and batch[0][4] == "1.00"
 
 
 def test_the_wait_for_the_step_in_progress_counts(tiny_llama_dir: Path) -> None:
