@@ -14,8 +14,10 @@ than ``MIN_PREFILL_TOKENS`` (``FIRST_PREFILL_TOKENS`` until a step has been meas
 requests decode the estimate reads high and the prefill share shrinks until the whole
 step takes about the budget. Cutting prompts finer costs little here: two 480-token
 prompts took 1.25-1.64 s in chunks of 64 to 1,024 tokens, in no order of size
-(``max_prefill_tokens`` = chunk, on 2 cores with AMX). On a GPU a token is so cheap that
-the budget exceeds the usual limits and changes nothing.
+(``max_prefill_tokens`` = chunk, on 2 cores with AMX). But a batch whose prompts all
+arrive together pays for every extra step, which reads every weight once more: 19-30% of
+its throughput, so the budget is off unless set (docs/limits.md). On a GPU a token is so
+cheap that the budget exceeds the usual limits and changes nothing.
 """
 
 from __future__ import annotations

@@ -173,8 +173,8 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "prefill-step-budget-ms",
         "size each step's prefill to take about this many milliseconds at the measured "
         "prefill speed (at least 64 tokens), so a long prompt does not hold every other "
-        "request for its whole length (try 100 on a CPU); none (default): only "
-        "--max-prefill-tokens",
+        "request for its whole length, at some throughput (try 50 on a CPU); none "
+        "(default): only --max-prefill-tokens",
         "prefill_step_budget_ms",
     ),
     FlagSpec(
