@@ -255,13 +255,24 @@ inline void kquant_scales(const uint8_t* b, SubScales& s) {
     _mm512_store_ps(s.scale, _mm512_mul_ps(_mm512_set1_ps(half_at(b + 208)),
                                            to_float(_mm512_cvtepi8_epi32(sc))));
   } else {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    for (int sub = 0; sub < 8; ++sub) {
-      int sc, mn;
-      scale_min_k4(b + 4, sub, sc, mn);
-      s.scale[sub] = d * static_cast<float>(sc);
-      s.offset[sub] = -dmin * static_cast<float>(mn);
-    }
+    // The 8 six-bit scales and mins (scale_min_k4's layout) from the 12 bytes as three
+    // 32-bit words a, b, c (bytes 0-3, 4-7, 8-11), four sub-blocks a word:
+    //   scales 0-3 = a & 63, scales 4-7 = (c & 15) | (a >> 6) << 4 (byte by byte),
+    //   mins   0-3 = b & 63, mins   4-7 = (c >> 4 & 15) | (b >> 6) << 4.
+    // NOTE: the loop over scale_min_k4 was about half of a Q4_K row's instructions (9.6
+    // GB/s against Q4_1's 16.7 from memory); these are a dozen word operations.
+    uint32_t w[3];
+    std::memcpy(w, b + 4, 12);
+    constexpr uint32_t kSix = 0x3F3F3F3Fu, kFour = 0x0F0F0F0Fu, kTwo = 0x03030303u;
+    const uint64_t sc = (w[0] & kSix) |
+                        uint64_t((w[2] & kFour) | (((w[0] >> 6) & kTwo) << 4)) << 32;
+    const uint64_t mn = (w[1] & kSix) |
+                        uint64_t(((w[2] >> 4) & kFour) | (((w[1] >> 6) & kTwo) << 4)) << 32;
+    const auto widen8 = [](uint64_t bytes) {  // 8 bytes -> 8 float lanes
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+    };
+    _mm256_store_ps(s.scale, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), widen8(sc)));
+    _mm256_store_ps(s.offset, _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), widen8(mn)));
   }
 }
 
