@@ -82,15 +82,20 @@ inline void rows_in_registers(const float* x, int64_t xs, const uint8_t* w, int6
   for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * row_bytes;
   // NOTE: the rows stream from memory once per step; the hardware prefetcher alone left
   // this loop waiting on them (5 GB/s of a 25 GB/s stream). Ask for the rows
-  // kPrefetchRows ahead while these are unpacked.
-  for (int64_t ahead = n + kPrefetchRows; ahead < std::min(n + kPrefetchRows + R, n_end); ++ahead) {
-    const char* p = reinterpret_cast<const char*>(w + ahead * row_bytes);
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-  }
+  // kPrefetchRows ahead while these are unpacked, a run's bytes of each with each run:
+  // asking for all of their lines at once (R x 27 for a 3072-wide Q4_K row) outran the
+  // line fill buffers.
+  const int64_t run_bytes = row_bytes / runs;
+  const int ahead_rows = static_cast<int>(std::clamp<int64_t>(n_end - n - kPrefetchRows, 0, R));
+  const char* ahead = reinterpret_cast<const char*>(w + (n + kPrefetchRows) * row_bytes);
   __m512 acc[R][M][2];
   for (auto& row : acc)
     for (auto& token : row) token[0] = token[1] = _mm512_setzero_ps();
   for (int64_t run = 0; run < runs; ++run) {
+    for (int r = 0; r < ahead_rows; ++r) {
+      const char* p = ahead + r * row_bytes + run * run_bytes;
+      for (int64_t off = 0; off < run_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
     int count = 0;
     for (int r = 0; r < R; ++r) count = run_scales<Q>(rows[r], run, blocks, scales[r]);
     for (int j = 0; j < count; ++j) {
@@ -129,15 +134,18 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
 #if defined(__AVX2__) && defined(__FMA__)
     // NOTE: the rows stream from memory once per step; the hardware prefetcher alone
     // left this loop waiting on them (5 GB/s of a 25 GB/s stream). Ask for the row
-    // kPrefetchRows ahead while this one is unpacked.
-    if (n + kPrefetchRows < n_end) {
-      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes);
-      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
+    // kPrefetchRows ahead while this one is unpacked, a block's bytes with each block
+    // (all of its lines at once outran the line fill buffers, as in rows_in_registers).
+    const char* ahead = n + kPrefetchRows < n_end
+                            ? reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes)
+                            : nullptr;
     {  // dequantized in registers, 32 weights at a time
       __m256 acc0[M], acc1[M];
       for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
       for (int64_t bi = 0; bi < blocks; ++bi) {
+        if (ahead != nullptr)
+          for (int64_t off = bi * kBytes; off < (bi + 1) * kBytes; off += 64)
+            _mm_prefetch(ahead + off, _MM_HINT_T0);
         for (int sub = 0; sub < kBlock / 32; ++sub) {
           __m256 v[4];
           dequant32_avx2<Q>(row + bi * kBytes, sub, v);
