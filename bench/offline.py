@@ -79,15 +79,22 @@ def run_engine(
     return sum(out_lens) / elapsed
 
 
+_UNSET = object()
+
+
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
-    """Within the block, ``obj.name`` is ``wrap(original)`` (an instance attribute, removed
-    afterwards so the class's method is back)."""
+    """Within the block, ``obj.name`` is ``wrap(original)`` (an instance attribute; afterwards
+    the instance's own attribute is put back, or removed so the class's method shows)."""
+    own = obj.__dict__.get(name, _UNSET)
     setattr(obj, name, wrap(getattr(obj, name)))
     try:
         yield
     finally:
-        obj.__dict__.pop(name, None)
+        if own is _UNSET:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, own)
 
 
 def _recording(fn: Any, shapes: list[tuple[int, int]], field: int) -> Any:

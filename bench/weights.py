@@ -6,20 +6,32 @@ single stream and a batch of 32 through the engine (greedy, ``ignore_eos``), the
 bytes of weights one decode step reads against the read-only bandwidth measured in the
 same run (bench/micro/bandwidth.py): the single stream's share of its own floor.
 
+Where a single-stream step's time goes, per format (medians over the single-stream
+runs' steps): the model's forward (embedding and every layer), the LM head, sampling,
+and the rest of the engine's step, beside the floor (the weights' bytes at the read
+bandwidth), so the part a faster matmul cannot remove shows.
+
     python -m bench.weights [--model default] [--single-tokens 128] [--formats ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
-from typing import NamedTuple
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from bench.micro.bandwidth import read_bandwidth
-from bench.offline import make_workload, run_engine, weight_bytes_per_token
+from bench.offline import _patched, make_workload, run_engine, weight_bytes_per_token
 from engine import Engine, EngineConfig
+from engine.layers.linear import FusedLinear
+from engine.layers.quant_cpu import quant_kernel
 
 # Format name -> the engine's --dtype for it (packed: auto on a GGUF, see dtypes.py).
 FORMATS = {"float32": "float32", "bf16": "bfloat16", "packed": "auto"}
@@ -30,6 +42,53 @@ class FormatResult(NamedTuple):
     single: float  # output tokens/s, one stream
     batch: float  # output tokens/s, batch of ``batch_size``
     bytes_per_token: int  # weights one decode step reads
+    # Median seconds of a single-stream step in: forward, LM head, sampling, the whole
+    # step; and the layers' linear layers alone at one token.
+    parts: dict[str, float]
+
+
+def _parts(engine: Engine) -> list[tuple[str, Any, str]]:
+    """The parts of a single-stream step the breakdown times: (label, owner, attribute)."""
+    return [
+        ("forward", engine.model, "forward"),
+        ("lm_head", engine.model, "compute_logits"),
+        ("sampling", engine.runner, "sampler"),
+        ("step", engine, "step"),
+    ]
+
+
+def _timing(fn: Callable[..., Any], seconds: list[float]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return timed
+
+
+def linears_alone(model: Any, passes: int = 10, rounds: int = 5) -> float:
+    """Seconds one token takes through the layers' linear layers alone (not the LM head),
+    best of ``rounds``: packed ones through the native ``PackedLinear`` the decode step
+    calls, so Python's cost per call stays out of it."""
+    calls = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedLinear) or name == "lm_head":
+            continue
+        if module.packed is not None:
+            call = module.packed.native_linear(quant_kernel(), module.bias)
+        else:
+            call = module.forward
+        calls.append((call, torch.zeros(1, module.in_features)))
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(passes):
+            for call, x in calls:
+                call(x)
+        best = min(best, (time.perf_counter() - start) / passes)
+    return best
 
 
 def measure_format(
@@ -50,10 +109,17 @@ def measure_format(
             raise SystemExit(f"{args.model} is not a GGUF model: nothing to keep packed")
         run_engine(engine, prompts[:2], [4, 4])  # warm-up (kernels built, pages touched)
         batch = run_engine(engine, prompts, out_lens)
-        single = max(
-            run_engine(engine, prompts[:1], [args.single_tokens]) for _ in range(args.repeats)
-        )
-        return FormatResult(name, single, batch, weight_bytes_per_token(engine.model))
+        sink: dict[str, list[float]] = {}
+        with contextlib.ExitStack() as stack:
+            for label, owner, attr in _parts(engine):
+                wrap = functools.partial(_timing, seconds=sink.setdefault(label, []))
+                stack.enter_context(_patched(owner, attr, wrap))
+            single = max(
+                run_engine(engine, prompts[:1], [args.single_tokens]) for _ in range(args.repeats)
+            )
+        parts = {label: statistics.median(seconds) for label, seconds in sink.items()}
+        parts["linears"] = linears_alone(engine.model)
+        return FormatResult(name, single, batch, weight_bytes_per_token(engine.model), parts)
     finally:
         engine.close()
         del engine
@@ -88,6 +154,22 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{r.name:8} {r.single:12.1f} {r.batch:12.1f} {r.bytes_per_token / 1e6:9.1f} "
             f"{100 * r.single / floor:8.0f}%"
+        )
+    print(
+        "single-stream step, ms (medians; floor: the weights' bytes at the read bandwidth; "
+        "linears: the layers' linear layers alone, part of forward)"
+    )
+    print(
+        f"{'format':8} {'floor':>6} {'step':>6} {'forward':>8} {'linears':>8} {'LM head':>8} "
+        f"{'sampling':>9} {'rest':>6}"
+    )
+    for r in results:
+        p = {k: 1e3 * v for k, v in r.parts.items()}
+        rest = p["step"] - p["forward"] - p["lm_head"] - p["sampling"]
+        print(
+            f"{r.name:8} {1e3 * r.bytes_per_token / read.best:6.2f} {p['step']:6.2f} "
+            f"{p['forward']:8.2f} {p['linears']:8.2f} {p['lm_head']:8.2f} "
+            f"{p['sampling']:9.2f} {rest:6.2f}"
         )
     base = next((r for r in results if r.name == "float32"), None)
     if base is not None:

@@ -8,7 +8,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MICRO = {"bandwidth", "gemv", "fused_kernels", "layer_profile", "host_copy", "bookkeeping"}
+MICRO = {
+    "bandwidth",
+    "gemv",
+    "fused_kernels",
+    "layer_profile",
+    "host_copy",
+    "bookkeeping",
+    "packed_gemv",
+}
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {
     "__init__",

@@ -91,3 +91,35 @@ def test_gemv_bench_runs_on_a_model(
     assert lines[1].startswith("M=1 qkv") and "gemv" in lines[1] and "onednn" in lines[1]
     assert lines[6].startswith("M=1 one forward: gemv")
     assert lines[12].startswith("M=3 one forward")
+
+
+def test_packed_gemv_bench_runs_every_type_and_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.micro import packed_gemv
+
+    argv = ["--types", "Q4_1", "Q4_K", "--shapes", "64x256", "32x512", "--tokens", "2"]
+    packed_gemv.main([*argv, "--working-set-mb", "1", "--rounds", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 token(s)" in lines[0] and "read-only bandwidth" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("Q4_1", "64x256"),
+        ("Q4_1", "32x512"),
+        ("Q4_K", "64x256"),
+        ("Q4_K", "32x512"),
+    ]
+    assert all(float(r[2]) > 0 for r in rows)
+
+
+def test_packed_gemv_bench_weights_are_finite() -> None:
+    # Random bytes everywhere but the fp16 fields: no NaN or inf reaches the products.
+    from bench.micro import packed_gemv
+    from engine.layers.quant_cpu import PACKED_TYPES, quant_kernel
+
+    kernel = quant_kernel()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(0)
+    for qtype, (name, _, _) in PACKED_TYPES.items():
+        if name == "BF16":
+            continue
+        weight = packed_gemv.random_weight(qtype, 8, 512, gen)
+        assert kernel.dequantize(weight, qtype, 512).isfinite().all(), name
