@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.offline import weight_bytes_per_token
@@ -24,3 +25,22 @@ def test_bf16_weights_halve_the_bytes_a_token_reads(tiny_llama_dir: Path) -> Non
     x = torch.randn(3, dense.config.hidden_size)
     got, want = bf16.compute_logits(x), dense.compute_logits(x)
     assert float((got - want).abs().max() / want.abs().max()) < 0.02  # bf16 rounding only
+
+
+def test_the_bench_breaks_each_formats_step_down(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import weights
+
+    argv = ["--model", str(tiny_llama_dir), "--formats", "float32", "bf16"]
+    weights.main([*argv, "--batch-size", "2", "--output-len", "3", "--single-tokens", "6"])
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("format    floor"))
+    table = [line.split() for line in lines[start + 1 : start + 3]]
+    rows = {r[0]: [float(v) for v in r[1:]] for r in table}
+    assert set(rows) == {"float32", "bf16"}
+    for name, (floor, step, forward, linears, lm_head, sampling, rest) in rows.items():
+        assert floor > 0 and step > 0 and min(forward, linears, lm_head, sampling) > 0, name
+        # each part runs inside every step, so its median is under the step's
+        assert max(forward, lm_head, sampling) < step, name
+        assert rest == pytest.approx(step - forward - lm_head - sampling, abs=0.02), name
