@@ -269,7 +269,8 @@ inline void kquant_scales(const uint8_t* b, SubScales& s) {
     const uint64_t mn = (w[1] & kSix) |
                         uint64_t(((w[2] >> 4) & kFour) | (((w[1] >> 6) & kTwo) << 4)) << 32;
     const auto widen8 = [](uint64_t bytes) {  // 8 bytes -> 8 float lanes
-      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+      const __m128i v = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
     };
     _mm256_store_ps(s.scale, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), widen8(sc)));
     _mm256_store_ps(s.offset, _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), widen8(mn)));

@@ -87,7 +87,9 @@ inline void rows_in_registers(const float* x, int64_t xs, const uint8_t* w, int6
   // line fill buffers.
   const int64_t run_bytes = row_bytes / runs;
   const int ahead_rows = static_cast<int>(std::clamp<int64_t>(n_end - n - kPrefetchRows, 0, R));
-  const char* ahead = reinterpret_cast<const char*>(w + (n + kPrefetchRows) * row_bytes);
+  const char* ahead = ahead_rows > 0
+                          ? reinterpret_cast<const char*>(w + (n + kPrefetchRows) * row_bytes)
+                          : nullptr;
   __m512 acc[R][M][2];
   for (auto& row : acc)
     for (auto& token : row) token[0] = token[1] = _mm512_setzero_ps();
