@@ -9,6 +9,7 @@ import pytest
 from bench import http_cost
 from bench.client import RequestResult
 from bench.runner import RunState
+from engine import RequestOutput
 
 
 def test_served_and_offline_runs_of_one_workload(
@@ -58,3 +59,31 @@ def test_per_token_cost_replays_every_token(default_model_dir: Path) -> None:
     outputs = [tokenizer.encode(" general Kenobi!"), tokenizer.encode(" deep and blue.")]
     cost = http_cost.per_token_cost(tokenizer, prompts, outputs)
     assert cost.detokenize_us > 0 and cost.sse_chunk_us > 0
+
+
+def test_the_offline_run_keeps_the_served_runs_concurrency(tiny_llama_dir: Path) -> None:
+    # It handed every prompt to the engine at once: 3 prompts at one in flight were a
+    # batch of 3 offline against one stream served.
+    from bench.workloads import WorkloadConfig, generate
+    from engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", kv_cache_tokens=1024))
+    try:
+        config = WorkloadConfig(workload="random", num_prompts=3, input_len=12, output_len=4)
+        workload = generate(config)
+        running: list[int] = []
+        step = engine.step
+
+        def counted() -> list[RequestOutput]:
+            running.append(int(engine.stats()["running"]) + int(engine.stats()["waiting"]))
+            return step()
+
+        engine.step = counted  # type: ignore[method-assign]
+        rate, outputs = http_cost.offline_tokens_per_s(engine, workload, max_concurrency=1)
+        assert max(running) == 1 and len(running) >= 3 * 4  # one at a time, 4 tokens each
+        assert rate > 0 and [len(o) for o in outputs] == [r.max_tokens for r in workload.requests]
+        _, outputs = http_cost.offline_tokens_per_s(engine, workload, max_concurrency=3)
+        assert [len(o) for o in outputs] == [r.max_tokens for r in workload.requests]
+        assert max(running[-3:]) == 3
+    finally:
+        engine.close()
