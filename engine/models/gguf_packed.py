@@ -3,8 +3,8 @@
 The converted directory (written by engine/gguf_convert.py, read through
 engine/gguf_layout.py) still supplies the config, the tokenizer and every tensor that
 stays dense (norms, biases, unsupported types). The weights of the linear layers, and the
-embedding table, whose GGUF type the packed kernel takes (``quant_cpu.PACKED_TYPES``) come from the GGUF file itself as
-blocks: the model never holds a float32 copy of them.
+embedding table, whose GGUF type the packed kernel takes (``quant_cpu.PACKED_TYPES``)
+come from the GGUF file itself as blocks: the model never holds a float32 copy of them.
 
 Row order: llama.cpp's converter permutes the rows of some tensors (Llama's q and k, for
 its RoPE layout) and transformers undoes that when it reads the file. Rather than a list
