@@ -12,7 +12,7 @@
 // HISERVE_PACKED_AMX=0) is the exact mode.
 //
 // Layout, per thread and chunk of 32 weight rows: the rows are dequantized (the same
-// unpack32 as the register path) into hi and lo bf16 rows, which are the A tiles as they
+// unpack_unit as the register path) into hi and lo bf16 rows, which are the A tiles as they
 // are (16 rows x 32 values). The tokens are the B tiles: x split once per call into hi
 // and lo, stored as ggml/oneDNN's "VNNI" pairs (for each pair of k, 16 tokens x 2 values).
 // A tile product then gives y^T for 16 rows x 16 tokens, which is written out transposed.
@@ -41,7 +41,7 @@
 #include <cstring>
 #include <vector>
 
-#include "quant_blocks.h"
+#include "quant_unpack.h"
 
 #define HISERVE_AMX_TARGET \
   __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
@@ -158,17 +158,17 @@ HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, in
     for (int64_t bi = 0; bi < k_len / kBlock; ++bi) {
       SubScales s;
       block_scales<Q>(row + bi * kBytes, s);
-      for (int sub = 0; sub < kBlock / 32; ++sub) {
-        __m512 v0, v1;
-        unpack32<Q>(row + bi * kBytes, sub, s.scale, s.offset, v0, v1);
-        const int64_t at = (bi * kBlock + sub * 32) / 16;
-        __m256i h0, l0, h1, l1;
-        split_bf16(v0, h0, l0);
-        split_bf16(v1, h1, l1);
-        _mm256_storeu_si256(h + at, h0);
-        _mm256_storeu_si256(h + at + 1, h1);
-        _mm256_storeu_si256(l + at, l0);
-        _mm256_storeu_si256(l + at + 1, l1);
+      constexpr int kVecs = 2 * unit_subs<Q>();
+      for (int unit = 0; unit < kBlock / (16 * kVecs); ++unit) {
+        __m512 v[kVecs];
+        unpack_unit<Q>(row + bi * kBytes, unit, s.scale, s.offset, v);
+        const int64_t at = bi * kBlock / 16 + unit * kVecs;
+        for (int i = 0; i < kVecs; ++i) {
+          __m256i hv, lv;
+          split_bf16(v[i], hv, lv);
+          _mm256_storeu_si256(h + at + i, hv);
+          _mm256_storeu_si256(l + at + i, lv);
+        }
       }
     }
   }

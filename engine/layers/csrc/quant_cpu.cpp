@@ -18,9 +18,10 @@
 //   tokens, writing in place into the output's columns.
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
-// With AVX-512 the dequantize is vector code per 32-weight sub-block, 16 weights a
-// vector (4- and 5-bit quants picked from a table of their 16 or 32 values); AVX2 builds
-// (see cpu_kernels._cflags) run the same at 8 a vector. Scalar builds dequantize a block
+// With AVX-512 the dequantize is vector code per unit of sub-blocks that share bytes
+// (quant_unpack.h), 16 weights a vector (4- and 5-bit quants picked from a table of
+// their 16 or 32 values); AVX2 builds (see cpu_kernels._cflags) run the same per
+// 32-weight sub-block at 8 a vector. Scalar builds dequantize a block
 // at a time to a float buffer by the scalar code (quant_blocks.h) and leave the dot
 // products to the compiler.
 // Both accumulate in float32; they differ from "dequantize, then float32 matmul" only in
@@ -38,8 +39,8 @@
 #endif
 
 #include "quant_amx.h"
-#include "quant_blocks.h"
 #include "quant_fma.h"
+#include "quant_unpack.h"
 
 namespace {
 
@@ -68,7 +69,8 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k_len, int64_t n_
 #if defined(__AVX512F__)
 // Rows [n, n + R) of gemv_rows with AVX-512: each run of sub-blocks' scales converted
 // once (run_scales: 16 blocks of the 32-weight types, one K-quant block), then each
-// 32-weight sub-block unpacked into registers and multiplied into float32 accumulators.
+// unit of sub-blocks (unpack_unit) unpacked into registers and multiplied into float32
+// accumulators.
 // R rows at a time: a row alone is bound by latencies (the scales at its start, its FMA
 // chains, the sum across lanes at its end), which R independent rows hide from one
 // another.
@@ -100,15 +102,15 @@ inline void rows_in_registers(const float* x, int64_t xs, const uint8_t* w, int6
     }
     int count = 0;
     for (int r = 0; r < R; ++r) count = run_scales<Q>(rows[r], run, blocks, scales[r]);
-    for (int j = 0; j < count; ++j) {
+    for (int j = 0; j < count; j += unit_subs<Q>()) {
       const float* xk = x + (run * run_subs<Q>() + j) * 32;
       for (int r = 0; r < R; ++r) {
-        __m512 lo, hi;
-        run_unpack<Q>(rows[r], run, j, scales[r], lo, hi);
-        for (int m = 0; m < M; ++m) {
-          acc[r][m][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xk + m * xs), acc[r][m][0]);
-          acc[r][m][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xk + m * xs + 16), acc[r][m][1]);
-        }
+        __m512 v[2 * unit_subs<Q>()];
+        run_unpack<Q>(rows[r], run, j, scales[r], v);
+        for (int m = 0; m < M; ++m)
+          for (int i = 0; i < 2 * unit_subs<Q>(); ++i)
+            acc[r][m][i % 2] =
+                _mm512_fmadd_ps(v[i], _mm512_loadu_ps(xk + m * xs + 16 * i), acc[r][m][i % 2]);
       }
     }
   }

@@ -28,7 +28,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "quant_blocks.h"
+#include "quant_unpack.h"
 
 namespace hiserve_quant {
 
