@@ -163,6 +163,22 @@ def test_register_path_takes_any_block_count_and_row_count(
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype, blocks)
 
 
+@pytest.mark.parametrize("qtype", [12, 14], ids=["Q4_K", "Q6_K"])
+def test_wide_rows_in_panels_and_token_groups(kernel: Any, qtype: int) -> None:
+    # K=8192 (a 3B model's FFN down projection): on AMX each 32-row chunk's tiles fill a
+    # row panel alone and 32 tokens fill a token group, so 99 rows and 33-80 tokens take
+    # several panels per thread and several groups per panel (quant_amx.h's amx_rows).
+    rows, cols = 99, 8192
+    data = random_blocks(qtype, rows, cols, seed=qtype + 7)
+    gen = torch.Generator().manual_seed(qtype + 7)
+    for tokens in (33, 80):
+        x = torch.randn(tokens, cols, generator=gen)
+        want, scale = reference(data, qtype, x)
+        out = torch.empty(tokens, rows)
+        kernel.qmatmul(x, torch.from_numpy(data), qtype, out)
+        assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype)
+
+
 def test_bad_arguments_are_refused(kernel: Any) -> None:
     data = torch.from_numpy(random_blocks(3, 4, 64, seed=1))  # Q4_1, row_bytes 40
     out = torch.empty(1, 4)
