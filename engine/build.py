@@ -22,7 +22,7 @@ from engine.future_tokens import FutureTokens
 from engine.grammar import EngineGrammars
 from engine.graph_runner import DecodeGraphRunner
 from engine.graph_setup import build_decode_graphs
-from engine.heap import trim_heap
+from engine.heap import keep_freed_memory, trim_heap
 from engine.kv_setup import KVSetup, build_kv
 from engine.kvcache.transfer import KVTransfer, TransferFactory
 from engine.model_runner import ModelRunner
@@ -61,6 +61,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Resolve the device, load the tokenizer and config, start tensor-parallel workers
     (stopped again if anything after fails), and build the rest (``_build_on``)."""
     device_spec = platform.resolve_device(config.device)
+    keep_freed_memory()  # a step's large tensors reused, not faulted in afresh (heap.py)
     # NOTE: calls without a device (event waits, current_stream) mean the current one;
     # AsyncEngine's loop thread sets it again, as a new thread starts on device 0.
     platform.set_device(device_spec)

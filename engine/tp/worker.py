@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine import dtypes, loader, platform
+from engine.heap import keep_freed_memory
 from engine.layers.parallel_linear import TPShard
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -70,6 +71,7 @@ def serve_rank(spec: WorkerSpec) -> None:
     device = platform.to_torch_device(device_spec)
     if device.type == "cpu":
         torch.set_num_threads(spec.num_threads)
+    keep_freed_memory()  # as rank 0 does (engine/build.py)
     dtype = dtypes.parse_dtype(config.dtype, device_spec)
     torch.manual_seed(config.seed)
     store = dist.FileStore(spec.store_path, spec.size)
