@@ -179,6 +179,26 @@ def test_wide_rows_in_panels_and_token_groups(kernel: Any, qtype: int) -> None:
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype)
 
 
+@pytest.mark.parametrize("offset", [0, 16], ids=["on a line", "off a line"])
+def test_bf16_weights_on_and_off_a_cache_line(kernel: Any, offset: int) -> None:
+    # On AMX, bf16 rows whose weight starts on a 64-byte line are read in place, whole
+    # chunks of 32 at a time; elsewhere (and the last, partial chunk) they are copied.
+    rows, cols = 67, 256
+    blocks = random_blocks(30, rows, cols, seed=31)
+    flat = torch.zeros(blocks.size + 64, dtype=torch.uint8)
+    start = (-flat.data_ptr()) % 64 + offset
+    weight = flat[start : start + blocks.size].view(rows, -1)
+    weight.copy_(torch.from_numpy(blocks))
+    assert weight.data_ptr() % 64 == offset
+    gen = torch.Generator().manual_seed(31)
+    for tokens in (5, 40):
+        x = torch.randn(tokens, cols, generator=gen)
+        want, scale = reference(blocks, 30, x)
+        out = torch.empty(tokens, rows)
+        kernel.qmatmul(x, weight, 30, out)
+        assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, offset)
+
+
 def test_bad_arguments_are_refused(kernel: Any) -> None:
     data = torch.from_numpy(random_blocks(3, 4, 64, seed=1))  # Q4_1, row_bytes 40
     out = torch.empty(1, 4)
