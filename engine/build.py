@@ -115,16 +115,17 @@ def _build_on(
     eos_token_ids = loader.eos_token_ids_of(hf_config, tokenizer)
 
     shard_config = model.config  # the rank's heads and MLP share under TP
+    kv_dtype = dtypes.kv_cache_dtype(config.kv_cache_dtype, dtype, device_spec)
     make_transfer: TransferFactory = KVTransfer
     if tp is not None:
-        config = tp.agree_kv(config, shard_config, device_spec, dtype)
+        config = tp.agree_kv(config, shard_config, device_spec, kv_dtype)
         make_transfer = tp.make_transfer
     kv = build_kv(
         config,
         shard_config,
         device_spec,
         device,
-        dtype,
+        kv_dtype,
         max_model_len,
         model_path,
         table_journal=tp.table_journal if tp is not None else None,

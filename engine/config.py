@@ -17,6 +17,7 @@ HICACHE_HOST_ALLOC = ("auto", "pin_memory", "host_register", "pageable")
 HICACHE_STORAGE_BACKENDS = ("none", "file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # Tokens per KV page when an L3 storage backend is set and no page size was given: the
 # store keeps one object per page, so one token per page (the default) cannot work.
 L3_DEFAULT_PAGE_SIZE = 16
@@ -49,6 +50,9 @@ class CacheConfig(ModelConfig):
     # Device KV pool size in tokens; None: derive from kv_mem_fraction of free memory.
     kv_cache_tokens: int | None = None
     kv_mem_fraction: float = 0.5
+    # The pool's element type: auto is the model's (its activations'); bfloat16 on the CPU
+    # halves the pool's bytes (vLLM's --kv-cache-dtype; engine/dtypes.py).
+    kv_cache_dtype: str = "auto"
     page_size: int = 1
     enable_prefix_cache: bool = True
     enable_hierarchical_cache: bool = False
@@ -147,6 +151,7 @@ class EngineConfig(SchedulerConfig):
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("hicache_write_policy", self.hicache_write_policy, HICACHE_WRITE_POLICIES)

@@ -119,6 +119,24 @@ def choose_weights(name: str, spec: DeviceSpec, gguf: bool, tp_size: int = 1) ->
     return WeightFormat(dtype, False, "--dtype auto on a CPU without AMX or AVX512-BF16: float32")
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, spec: DeviceSpec) -> torch.dtype:
+    """The KV pool's dtype for ``--kv-cache-dtype name``: ``auto`` is ``model_dtype`` (the
+    activations'); float32 or bfloat16 as asked on the CPU, whose attention reads either
+    (the K/V are rounded to the pool's dtype as they are stored). On an accelerator the
+    attention kernels read the model dtype only, so anything else is refused there."""
+    if name == "auto":
+        return model_dtype
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name)
+    if dtype is None:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not valid; choose auto, float32 or bfloat16")
+    if spec.type != "cpu" and dtype != model_dtype:
+        raise ValueError(
+            f"--kv-cache-dtype {name} on {spec.type}: the KV cache there holds the model "
+            f"dtype ({str(model_dtype).removeprefix('torch.')}); use auto"
+        )
+    return dtype
+
+
 def parse_dtype(name: str, spec: DeviceSpec) -> torch.dtype:
     key = name.strip().lower()
     if key == "auto":

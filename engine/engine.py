@@ -372,6 +372,7 @@ class Engine:
             "model_path": str(self.model_path),
             "device": str(self.device_spec),
             "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(self.kv.device_pool.dtype).replace("torch.", ""),
             "attention_backend": self.attention_backend,
             "max_model_len": self.max_model_len,
             "kv_total_tokens": self.kv.manager.capacity,

@@ -14,6 +14,7 @@ from engine.config import (
     HICACHE_PREFETCH_POLICIES,
     HICACHE_STORAGE_BACKENDS,
     HICACHE_WRITE_POLICIES,
+    KV_CACHE_DTYPES,
     SCHEDULE_POLICIES,
 )
 from server.cache_report import CACHED_TOKENS_SCOPES
@@ -55,7 +56,7 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("model", "model directory, .gguf file, or 'default' (the embedded model)", "model"),
     FlagSpec("served-model-name", "model name reported by the API", "served_model_name"),
     FlagSpec("device", "cpu, cuda, cuda:1, musa:0, npu, xpu, mps or auto", "device"),
-    FlagSpec("dtype", "weight and KV precision", "dtype", choices=DTYPES),
+    FlagSpec("dtype", "weight and activation precision", "dtype", choices=DTYPES),
     FlagSpec(
         "attention-backend",
         "attention kernels (auto: native CPU decode for float32 on CPU, else torch)",
@@ -77,6 +78,12 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     FlagSpec("seed", "seed of the engine's default random generator", "seed"),
     FlagSpec("kv-cache-tokens", "device KV pool size in tokens", "kv_cache_tokens"),
     FlagSpec("kv-mem-fraction", "fraction of free device memory for KV", "kv_mem_fraction"),
+    FlagSpec(
+        "kv-cache-dtype",
+        "KV cache precision (auto: the model's; bfloat16 on the CPU halves the pool's bytes)",
+        "kv_cache_dtype",
+        choices=KV_CACHE_DTYPES,
+    ),
     FlagSpec("page-size", "tokens per KV page", "page_size"),
     FlagSpec(
         "cache-trace",

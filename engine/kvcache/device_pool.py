@@ -47,6 +47,7 @@ class DeviceKVPool:
         return 2 * num_layers * kv_heads * head_dim * elem
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V ``[num_tokens, kv_heads, head_dim]`` at ``slots`` ``[num_tokens]``."""
-        self.k_buffers[layer][slots] = k
-        self.v_buffers[layer][slots] = v
+        """Store K/V ``[num_tokens, kv_heads, head_dim]`` at ``slots`` ``[num_tokens]``
+        (rounded to the pool's dtype where it differs: --kv-cache-dtype)."""
+        self.k_buffers[layer][slots] = k.to(self.dtype)
+        self.v_buffers[layer][slots] = v.to(self.dtype)

@@ -182,8 +182,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         out_dtype = q.dtype
         compute = sdpa_dtype(q.device.type, out_dtype)
-        if compute != out_dtype:
-            q, k, v = q.to(compute), k.to(compute), v.to(compute)
+        # K/V read from the pool come in its dtype, which --kv-cache-dtype may set apart.
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 

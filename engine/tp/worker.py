@@ -87,9 +87,10 @@ def serve_rank(spec: WorkerSpec) -> None:
         config.attention_backend,
         tp=TPShard(spec.rank, spec.size),
     )
-    agreed_kv_config(config, model.config, device_spec, dtype, control)
+    kv_dtype = dtypes.kv_cache_dtype(config.kv_cache_dtype, dtype, device_spec)
+    agreed_kv_config(config, model.config, device_spec, kv_dtype, control)
     geometry: KVGeometry = receive(control)
-    kv = RankKV(geometry, model.config, dtype, device, device_spec)
+    kv = RankKV(geometry, model.config, kv_dtype, device, device_spec)
     runner = ModelRunner(
         model,
         kv.device_pool,

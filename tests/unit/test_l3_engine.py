@@ -103,6 +103,29 @@ def test_another_model_or_dtype_misses(tiny_llama_dir: Path, tmp_path: Path) -> 
     other_dtype.close()
 
 
+def test_a_bf16_pool_round_trips_through_the_store(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # --kv-cache-dtype bfloat16: the pages hold bf16 rows, a float32 pool's engine misses
+    # them (another namespace), and a bf16 one loads them: its tokens are those of a
+    # device prefix hit on the same rounded rows (the same prompt asked twice).
+    batch = prompts(1, 41)
+    device_hit = make_engine(tiny_llama_dir, None, kv_cache_dtype="bfloat16")
+    device_hit.generate(batch, PARAMS)
+    want = device_hit.generate(batch, PARAMS)[0]
+    assert want.cached_tokens == stored_len(batch[0])
+    device_hit.close()
+    writer = make_engine(tiny_llama_dir, tmp_path, kv_cache_dtype="bfloat16")
+    writer.generate(batch, PARAMS)
+    writer.close()
+    float32_pool = make_engine(tiny_llama_dir, tmp_path)
+    assert float32_pool.generate(batch, PARAMS)[0].cached_tokens_storage == 0
+    float32_pool.close()
+    reader = make_engine(tiny_llama_dir, tmp_path, kv_cache_dtype="bfloat16")
+    out = reader.generate(batch, PARAMS)[0]
+    assert out.cached_tokens_storage == stored_len(batch[0])
+    assert out.token_ids == want.token_ids
+    reader.close()
+
+
 def test_a_corrupt_store_is_a_miss_with_the_same_output(
     tiny_llama_dir: Path, tmp_path: Path, reference: dict
 ) -> None:

@@ -118,6 +118,20 @@ def test_two_ranks_give_the_greedy_output_of_one(
     assert outputs[2][0] == hf_greedy(hf_model, first, MAX_TOKENS)
 
 
+@pytest.mark.slow  # two worker start-ups
+def test_two_ranks_with_a_bf16_pool_give_the_output_of_one(tiny_llama_dir: Path) -> None:
+    # --kv-cache-dtype reaches the workers: each rank's pool is bf16, sized alike.
+    outputs = {}
+    for tp in (1, 2):
+        engine = _engine(tiny_llama_dir, tp, kv_cache_dtype="bfloat16")
+        try:
+            assert engine.kv.device_pool.k_buffers[0].dtype == torch.bfloat16
+            outputs[tp], _, _ = _conversations(engine)
+        finally:
+            engine.close()
+    assert outputs[2] == outputs[1]
+
+
 @pytest.mark.slow
 def test_two_ranks_with_hicache_evicting_and_loading_back(tiny_moe_dir: Path) -> None:
     hicache = dict(

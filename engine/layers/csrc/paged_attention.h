@@ -9,6 +9,7 @@
 // 64 and 128 take an AVX-512 path where the build has it (vector dot products, a
 // vectorized exp for the softmax): at 32 sequences of 20-200 tokens it measured 2.5-4x
 // faster with the KV in cache and 1.1-1.3x from DRAM, where reading the rows dominates.
+// The pool holds float32 or bfloat16 (--kv-cache-dtype; kv_rows.h), read as float32.
 //
 // Included by paged_decode_cpu.cpp (their Python binding) and by decode_layers.h, not
 // built alone.
@@ -23,25 +24,12 @@
 #include <limits>
 #include <vector>
 
+#include "kv_rows.h"
 #include "vec_math.h"
 
 namespace hiserve_paged {
 
 namespace {
-
-void check_input(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " has the wrong dtype: ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-// Into the cache, one line (16 floats) at a time: the K or V row (every KV head of one
-// token) of ``slot``, which may lie anywhere in the pool.
-inline void prefetch_row(const float* data, int64_t slot, int64_t row_size) {
-  const float* row = data + slot * row_size;
-  for (int64_t off = 0; off < row_size; off += 16) __builtin_prefetch(row + off);
-}
 
 struct SeqView {
   const int32_t* slots;  // [len] KV slot of each token
@@ -69,19 +57,19 @@ constexpr int64_t kAhead = 4;  // K/V rows prefetched ahead: slots may be scatte
 // scores go to scores [q_heads, j1 - j0]; softmax numerators per head in place
 // (vectorized exp); then each V row is read once and added, weighted, into st.out (which
 // stays in L1).
-template <int kChunks>
+template <int kChunks, typename KV>
 void attend_part(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq,
-                 const float* k_data, const float* v_data, float* scores, PartState st) {
+                 const KV* k_data, const KV* v_data, float* scores, PartState st) {
   const int32_t* slots = seq.slots + j0;
   const int64_t len = j1 - j0, dim = seq.dim, group = seq.group;
   const int64_t kv_heads = seq.row_size / dim, q_heads = kv_heads * group;
   const __m512 scale = _mm512_set1_ps(seq.scale);
   for (int64_t j = 0; j < len; ++j) {
     if (j + kAhead < len) prefetch_row(k_data, slots[j + kAhead], seq.row_size);
-    const float* key_row = k_data + slots[j] * seq.row_size;
+    const KV* key_row = k_data + slots[j] * seq.row_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       __m512 key[kChunks];
-      for (int c = 0; c < kChunks; ++c) key[c] = _mm512_loadu_ps(key_row + h * dim + 16 * c);
+      for (int c = 0; c < kChunks; ++c) key[c] = load_kv16(key_row + h * dim + 16 * c);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t qh = h * group + g;
         const float* query = q_seq + qh * dim;
@@ -115,10 +103,10 @@ void attend_part(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq,
   std::fill(st.out, st.out + q_heads * dim, 0.f);
   for (int64_t j = 0; j < len; ++j) {
     if (j + kAhead < len) prefetch_row(v_data, slots[j + kAhead], seq.row_size);
-    const float* value_row = v_data + slots[j] * seq.row_size;
+    const KV* value_row = v_data + slots[j] * seq.row_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       __m512 value[kChunks];
-      for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(value_row + h * dim + 16 * c);
+      for (int c = 0; c < kChunks; ++c) value[c] = load_kv16(value_row + h * dim + 16 * c);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t qh = h * group + g;
         const __m512 w = _mm512_set1_ps(scores[qh * len + j]);
@@ -134,22 +122,22 @@ void attend_part(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq,
 #endif
 
 // The same for any head_dim, in portable code.
+template <typename KV>
 void attend_part_portable(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq,
-                          const float* k_data, const float* v_data, float* scores,
-                          PartState st) {
+                          const KV* k_data, const KV* v_data, float* scores, PartState st) {
   const int32_t* slots = seq.slots + j0;
   const int64_t len = j1 - j0, dim = seq.dim, group = seq.group, row_size = seq.row_size;
   const int64_t q_heads = row_size / dim * group;
   std::fill(st.peak, st.peak + q_heads, -std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < len; ++j) {
     if (j + kAhead < len) prefetch_row(k_data, slots[j + kAhead], row_size);
-    const float* key_row = k_data + static_cast<int64_t>(slots[j]) * row_size;
+    const KV* key_row = k_data + static_cast<int64_t>(slots[j]) * row_size;
     for (int64_t qh = 0; qh < q_heads; ++qh) {
       const float* query = q_seq + qh * dim;
-      const float* key = key_row + (qh / group) * dim;
+      const KV* key = key_row + (qh / group) * dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * kv_float(key[d]);
       dot *= seq.scale;
       scores[qh * len + j] = dot;
       st.peak[qh] = std::max(st.peak[qh], dot);
@@ -167,20 +155,21 @@ void attend_part_portable(const SeqView& seq, int64_t j0, int64_t j1, const floa
   std::fill(st.out, st.out + q_heads * dim, 0.f);
   for (int64_t j = 0; j < len; ++j) {
     if (j + kAhead < len) prefetch_row(v_data, slots[j + kAhead], row_size);
-    const float* value_row = v_data + static_cast<int64_t>(slots[j]) * row_size;
+    const KV* value_row = v_data + static_cast<int64_t>(slots[j]) * row_size;
     for (int64_t qh = 0; qh < q_heads; ++qh) {
       const float weight = scores[qh * len + j];
-      const float* value = value_row + (qh / group) * dim;
+      const KV* value = value_row + (qh / group) * dim;
       float* acc = st.out + qh * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[d] += weight * value[d];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += weight * kv_float(value[d]);
     }
   }
 }
 
 // Tokens [j0, j1) of one sequence (j0 < j1) into st, by the fastest path for its head_dim.
-void attend(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq, const float* k_data,
-            const float* v_data, int64_t num_slots, std::vector<float>& scores, PartState st) {
+template <typename KV>
+void attend(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq, const KV* k_data,
+            const KV* v_data, int64_t num_slots, std::vector<float>& scores, PartState st) {
   for (int64_t j = j0; j < j1; ++j) {
     TORCH_CHECK(seq.slots[j] >= 0 && seq.slots[j] < num_slots, "KV slot ", seq.slots[j],
                 " out of range");
@@ -214,36 +203,26 @@ int64_t parts_per_sequence(int64_t batch, int64_t longest) {
 
 }  // namespace
 
-// q [B, Hq, D] float32 (heads and dims contiguous; rows may be strided, as in a view of
-// the fused q/k/v projection); k_cache, v_cache [S, Hkv, D] float32; table [R, C] int32;
-// rows [B] int64 (table row of each sequence); lens [B] int64 (context length, >= 1).
-// Returns [B, Hq, D] float32: softmax(q . K^T * scale) . V per query head.
-inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                  const torch::Tensor& v_cache, const torch::Tensor& table,
-                                  const torch::Tensor& rows, const torch::Tensor& lens,
-                                  double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "q must be a CPU tensor");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q has the wrong dtype: ", q.scalar_type());
-  TORCH_CHECK(q.dim() == 3, "q must have 3 dimensions, got ", q.dim());
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must have contiguous heads and dims (any row stride)");
-  check_input(k_cache, "k_cache", torch::kFloat32, 3);
-  check_input(v_cache, "v_cache", torch::kFloat32, 3);
+// paged_decode over a pool of KV elements (float or bf16); the inputs are checked.
+template <typename KV>
+torch::Tensor paged_decode_as(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& table,
+                              const torch::Tensor& rows, const torch::Tensor& lens,
+                              double scale) {
   check_input(table, "table", torch::kInt32, 2);
   check_input(rows, "rows", torch::kInt64, 1);
   check_input(lens, "lens", torch::kInt64, 1);
   const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
   const int64_t num_slots = k_cache.size(0), kv_heads = k_cache.size(1);
   const int64_t columns = table.size(1);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(k_cache.size(2) == dim, "head_dim of q and the KV cache differ");
   TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "q heads must be a multiple of KV heads");
   TORCH_CHECK(rows.size(0) == batch && lens.size(0) == batch, "rows/lens must have B entries");
   const int64_t group = q_heads / kv_heads;
 
   const float* q_data = q.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
+  const KV* k_data = k_cache.data_ptr<KV>();
+  const KV* v_data = v_cache.data_ptr<KV>();
   const int32_t* table_data = table.data_ptr<int32_t>();
   const int64_t* row_data = rows.data_ptr<int64_t>();
   const int64_t* len_data = lens.data_ptr<int64_t>();
@@ -325,47 +304,22 @@ inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k
   return out;
 }
 
-// k, v [T, Hkv, D] float32 (heads and dims contiguous, rows may be strided: views of the
-// fused projection); k_cache, v_cache [S, Hkv, D] contiguous; slots [T] int64. Writes
-// k[t] to k_cache[slots[t]] and v[t] to v_cache[slots[t]]: the pool write of one layer
-// as one call instead of two index_put_.
-inline void store_kv(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                     const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v) {
-  check_input(k_cache, "k_cache", torch::kFloat32, 3);
-  check_input(v_cache, "v_cache", torch::kFloat32, 3);
-  check_input(slots, "slots", torch::kInt64, 1);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
-  const int64_t tokens = slots.size(0), num_slots = k_cache.size(0);
-  const int64_t row_size = k_cache.size(1) * k_cache.size(2);
-  for (const auto* t : {&k, &v}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->dim() == 3,
-                "k and v must be float32 CPU tensors [T, Hkv, D]");
-    TORCH_CHECK(t->size(0) == tokens && t->size(1) == k_cache.size(1) &&
-                    t->size(2) == k_cache.size(2),
-                "k and v must be [T, Hkv, D] matching slots and the cache");
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
-                "k and v must have contiguous heads and dims (any row stride)");
-  }
-  const int64_t* slot_data = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot_data[t] >= 0 && slot_data[t] < num_slots, "KV slot ", slot_data[t],
-                " out of range [0, ", num_slots, ")");
-  }
-  const float* k_data = k.data_ptr<float>();
-  const float* v_data = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
-  const auto bytes = static_cast<size_t>(row_size) * sizeof(float);
-  // Rows are a few hundred bytes: threads would cost more than the copy, except for a
-  // long prefill.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_size));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slot_data[t] * row_size, k_data + t * k_stride, bytes);
-      std::memcpy(vc + slot_data[t] * row_size, v_data + t * v_stride, bytes);
-    }
-  });
+// q [B, Hq, D] float32 (heads and dims contiguous; rows may be strided, as in a view of
+// the fused q/k/v projection); k_cache, v_cache [S, Hkv, D] float32 or bfloat16; table
+// [R, C] int32; rows [B] int64 (table row of each sequence); lens [B] int64 (context
+// length, >= 1). Returns [B, Hq, D] float32: softmax(q . K^T * scale) . V per query head.
+inline torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                  const torch::Tensor& v_cache, const torch::Tensor& table,
+                                  const torch::Tensor& rows, const torch::Tensor& lens,
+                                  double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "q must be a CPU tensor");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q has the wrong dtype: ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3, "q must have 3 dimensions, got ", q.dim());
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must have contiguous heads and dims (any row stride)");
+  if (kv_is_bf16(k_cache, v_cache))
+    return paged_decode_as<bf16>(q, k_cache, v_cache, table, rows, lens, scale);
+  return paged_decode_as<float>(q, k_cache, v_cache, table, rows, lens, scale);
 }
 
 // How many intra-op threads took part in a parallel_for over ``items`` work items: a
