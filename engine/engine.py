@@ -15,12 +15,11 @@ from engine.cache_trace import CacheTracer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_stats import EngineStats
-from engine.errors import InvalidRequestError
 from engine.grammar import GrammarBackend
-from engine.grammar_spec import check_spec
 from engine.kv_setup import KVSetup
 from engine.outputs import check_stop, make_output, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
+from engine.request_checks import check_request
 from engine.sampler import SamplerOutput, make_generator
 from engine.scheduled_batch import ScheduledBatch
 from engine.step_loop import LaunchedStep, OverlapLoop, StepDriver, overlap_enabled
@@ -89,36 +88,14 @@ class Engine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError naming the field at fault (``prompt`` for the prompt)."""
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty; send at least one token", param="prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                param="prompt",
-            )
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens; the context length is "
-                f"{self.max_model_len}, which must also leave room for at least one output token",
-                param="prompt",
-            )
-        if len(prompt_ids) + 1 > self.kv.manager.capacity:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_ids)} tokens but the KV pool holds only "
-                f"{self.kv.manager.capacity}; raise --kv-cache-tokens",
-                param="prompt",
-            )
-        params.validate(
+        check_request(
+            prompt_ids,
+            params,
+            self.config,
             self.vocab_size,
-            self.config.max_stop_strings,
-            self.config.max_stop_token_ids,
-            self.config.max_logprobs,
-            self.config.max_stop_chars,
-            self.config.max_logit_bias,
+            self.max_model_len,
+            self.kv.manager.capacity,
         )
-        if params.grammar is not None:
-            check_spec(params.grammar)
 
     def prepare_grammar(self) -> bool:
         """Build the grammar backend now if xgrammar is installed (see EngineGrammars)."""
