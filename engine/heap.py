@@ -7,7 +7,8 @@
   4,096-token prefill of the default model was page faults (perf), and with the
   thresholds below the step took 1.5 s instead of 2.1-2.2 s. tcmalloc, which vLLM's CPU
   backend preloads, keeps freed memory the same way. The cost is resident memory that
-  stays at the largest step's working set.
+  stays at the largest step's working set: 251 MiB after a 4,096-token step of the
+  default model in bf16, against 56 MiB with glibc's defaults.
 - After start-up (``trim_heap``): the memory that loading a model frees (read buffers,
   copies of GGUF blocks, first columns, tokenizer parsing) goes back to the OS; kept, it
   counts as resident memory that nothing uses: about 430 MB after building a 3B packed
