@@ -1,7 +1,7 @@
 """Offline throughput: hiserve's Engine against HF ``generate`` on the same model and prompts.
 
     python -m bench.offline [--model default] [--num-requests 32] [--skip-hf] [--tp N]
-                            [--disable-mixed-batches]
+                            [--disable-mixed-batches] [--kv-cache-dtype bfloat16]
 
 Prints output tokens/s for a batch of requests with varied prompt and output lengths
 (HF runs them as one left-padded batch to the longest output and is credited only with
@@ -24,7 +24,8 @@ bandwidths are the best of several passes, the median beside them (see bench.mic
 ``--tp N`` splits the model over N ranks (processes; on the CPU they share its cores, so
 this checks tensor parallelism end to end rather than speeding anything up). The matmul
 floor is skipped there: rank 0's row-parallel layers cannot run without the other ranks;
-so are both floors and the goals.
+so are both floors and the goals. ``--kv-cache-dtype`` is the server flag (a bf16 KV
+pool on the CPU: docs/weights.md).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from bench.micro.bandwidth import copy_bandwidth, read_bandwidth
 from engine import Engine, EngineConfig, SamplingParams
-from engine.config import ATTENTION_BACKENDS
+from engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from engine.layers.linear import FusedLinear
 
 
@@ -252,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the server flag (unset: off, only the token limits)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the server flag (bfloat16: a bf16 KV pool on the CPU)",
+    )
+    parser.add_argument(
         "--tp",
         "--tensor-parallel-size",
         dest="tp",
@@ -275,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             tensor_parallel_size=args.tp,
             disable_overlap_schedule=args.disable_overlap_schedule,
             prefill_step_budget_ms=args.prefill_step_budget_ms,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     try:
@@ -290,6 +298,7 @@ def _measure(engine: Engine, args: argparse.Namespace) -> None:
     print(
         f"{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
         f"tokens, outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, fp32, "
+        f"{engine.health()['kv_cache_dtype']} KV, "
         f"{engine.attention_backend} attention, tp {args.tp} on {engine.device_spec}, "
         f"overlapped scheduling {'on' if engine.overlap else 'off'}"
     )

@@ -55,9 +55,12 @@ def test_bench_prints_both_floors_and_the_goals(
             "--single-tokens",
             "4",
             "--skip-hf",
+            "--kv-cache-dtype",
+            "bfloat16",
         ]
     )
     out = capsys.readouterr().out
+    assert "greedy, fp32, bfloat16 KV," in out  # the pool the engine was built with
     assert "matmul floor of that run" in out
     assert "bandwidth floor of one stream" in out
     assert "read-only floor of one stream" in out and "single stream at" in out
