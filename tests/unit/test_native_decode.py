@@ -31,13 +31,18 @@ from tests.unit.model_driver import GreedyDriver
 from tests.unit.quant_blocks import random_blocks
 
 
-def _both_paths(model: Any, prompts: list[list[int]], tokens: int) -> None:
-    """Greedy generation with the native decode step and without: identical logits."""
+def _both_paths(
+    model: Any, prompts: list[list[int]], tokens: int, pool: torch.dtype = torch.float32
+) -> None:
+    """Greedy generation with the native decode step and without: identical logits
+    (``pool``: the KV pool's dtype, --kv-cache-dtype)."""
     assert model.native_decode is not None
-    native = GreedyDriver(model, max_rows=4, max_context=96).generate(prompts, tokens)
+    native = GreedyDriver(model, max_rows=4, max_context=96, dtype=pool).generate(prompts, tokens)
     saved, model.native_decode = model.native_decode, None
     try:
-        python = GreedyDriver(model, max_rows=4, max_context=96).generate(prompts, tokens)
+        python = GreedyDriver(model, max_rows=4, max_context=96, dtype=pool).generate(
+            prompts, tokens
+        )
     finally:
         model.native_decode = saved
     for got, want in zip(native, python):
@@ -62,6 +67,16 @@ def test_default_model_decodes_natively_with_the_python_layers_logits(
     prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (7, 19, 4)]
     _both_paths(packed_default, prompts, 12)  # three rows together
     _both_paths(packed_default, prompts[1:2], 12)  # one row: the 1-token matmul path
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_native_decode_over_a_bf16_pool_has_the_python_layers_logits(packed_default: Any) -> None:
+    # --kv-cache-dtype bfloat16: the native step stores and reads the bf16 pool through the
+    # same kernels as the Python layers' attention backend.
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (9, 3)]
+    _both_paths(packed_default, prompts, 10, pool=torch.bfloat16)
 
 
 def _quantize(weight: torch.Tensor, qtype: int) -> QuantTensor:
