@@ -201,10 +201,11 @@ def _stream_tensors(
             # from it.
             block = PACKED_TYPES[qtype][2]
             first = np.ascontiguousarray(np.asarray(tensor.data)[:, :block])
-            heads[hf_name] = dequantized(processor, tensor, first)[:, :HEAD_COLS].contiguous()
+            head = dequantized(processor, tensor.name, tensor.tensor_type, first)
+            heads[hf_name] = head[:, :HEAD_COLS].contiguous()
             head_names[hf_name] = tensor.name
             continue
-        shards.add(hf_name, dequantized(processor, tensor, tensor.data))
+        shards.add(hf_name, dequantized(processor, tensor.name, tensor.tensor_type, tensor.data))
     shards.close()
     if packed:
         _save_heads(out_dir, heads, head_names)
