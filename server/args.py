@@ -15,14 +15,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, NoReturn
 
 from engine.config import L3_DEFAULT_PAGE_SIZE, EngineConfig
-from server.flags import (
-    ENV_PREFIX,
-    FALSE_WORDS,
-    FLAG_TABLE,
-    NONE_WORDS,
-    TRUE_WORDS,
-    FlagSpec,
-)
+from server.flag_spec import ENV_PREFIX, FALSE_WORDS, NONE_WORDS, TRUE_WORDS, FlagSpec
+from server.flags import FLAG_TABLE
 
 __all__ = ["ENV_PREFIX", "FLAG_TABLE", "FlagSpec", "ServerArgs", "build_parser", "parse_args"]
 

@@ -1,10 +1,8 @@
-"""The server's flag table: one row per command-line flag, the EngineConfig field it
-sets, and how its value is read (the same rules for the ``HISERVE_`` environment)."""
+"""The server's flag table: one row (server/flag_spec.py's FlagSpec) per command-line
+flag, with the EngineConfig field it sets; each is read the same way from its
+``HISERVE_`` environment variable."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 from engine.config import (
     ATTENTION_BACKENDS,
@@ -18,38 +16,10 @@ from engine.config import (
     SCHEDULE_POLICIES,
 )
 from server.cache_report import CACHED_TOKENS_SCOPES
+from server.flag_spec import FlagSpec
 from server.tools.parsers import PARSER_NAMES
 
-ENV_PREFIX = "HISERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
-# Optional numbers also accept these words for "unset"; optional strings are unset when empty.
-NONE_WORDS = ("none", "null", "auto")
-
-
-@dataclass(frozen=True)
-class FlagSpec:
-    """One command-line flag: which EngineConfig field it sets (if any) and how."""
-
-    flag: str  # without the leading dashes
-    help: str
-    field: str | None = None  # EngineConfig field; None: a server-only flag
-    kind: str | None = None  # "str" | "int" | "float" | "bool"; None: from the field type
-    optional: bool = False  # accepts None ("none"); taken from the field type when set
-    default: Any = None  # server-only flags only
-    choices: tuple[str, ...] | None = None
-    invert: bool = False  # the flag sets the field to the opposite boolean
-    aliases: tuple[str, ...] = ()  # other spellings of the flag (without dashes)
-
-    @property
-    def dest(self) -> str:
-        return self.flag.replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
-
 
 # NOTE: one row per flag; test_server_args asserts that every EngineConfig field has a row.
 FLAG_TABLE: tuple[FlagSpec, ...] = (
