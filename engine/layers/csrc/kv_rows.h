@@ -13,9 +13,7 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace hiserve_paged {
 
@@ -46,9 +44,8 @@ inline float kv_float(bf16 v) { return static_cast<float>(v); }
 #if defined(__AVX512F__)
 // 16 elements from p as float32.
 inline __m512 load_kv16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_kv16(const bf16* p) {  // bf16 is the top half of a float32
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+inline __m512 load_kv16(const bf16* p) {
+  return bf16x16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #endif
 

@@ -107,7 +107,7 @@ HISERVE_AMX_TARGET inline void amx_configure() {
 // 16 floats -> (their bf16, the bf16 of what that leaves), round to nearest even.
 HISERVE_AMX_TARGET inline void split_bf16(__m512 v, __m256i& hi, __m256i& lo) {
   hi = (__m256i)_mm512_cvtneps_pbh(v);
-  const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+  const __m512 back = bf16x16_to_ps(hi);
   lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
 }
 

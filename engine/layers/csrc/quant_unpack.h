@@ -7,6 +7,7 @@
 #pragma once
 
 #include "quant_blocks.h"
+#include "vec_math.h"
 
 namespace hiserve_quant {
 
@@ -130,11 +131,9 @@ constexpr int unit_subs() {
 template <int Q>
 inline void unpack_unit(const uint8_t* b, int unit, const float* scale, const float* offset,
                         __m512* v) {
-  if constexpr (Q == kBF16) {  // bf16 is the top half of a float32
+  if constexpr (Q == kBF16) {
     const __m256i* p = reinterpret_cast<const __m256i*>(b);
-    for (int i = 0; i < 2; ++i)
-      v[i] = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + i)), 16));
+    for (int i = 0; i < 2; ++i) v[i] = bf16x16_to_ps(_mm256_loadu_si256(p + i));
   } else if constexpr (Q == kQ8_0) {
     const __m512 d = _mm512_set1_ps(scale[0]);
     const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);

@@ -6,6 +6,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+// 16 bf16 values (their bits) as float32: a bf16 is the top half of a float32.
+static inline __m512 bf16x16_to_ps(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // exp(x) for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 Taylor
 // polynomial (relative error < 2e-7 there), times 2^n built in the exponent bits.
 // Inputs are clamped to [-87, 88], where 2^n stays a normal float.
