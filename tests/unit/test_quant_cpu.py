@@ -179,6 +179,29 @@ def test_wide_rows_in_panels_and_token_groups(kernel: Any, qtype: int) -> None:
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype)
 
 
+@pytest.mark.parametrize("qtype", [30, 8], ids=["BF16", "Q8_0"])
+def test_large_outputs_streamed_past_the_caches(kernel: Any, qtype: int) -> None:
+    # On AMX an output of AMX_STREAM_OUTPUT_BYTES or more, on a 64-byte line with a row
+    # stride of whole lines, is written with non-temporal stores, transposed in registers a
+    # chunk of 32 rows at a time: 4,112 rows end on a partial chunk (written the other way)
+    # and 261 tokens on a partial block of 16. The wider buffer's other columns must stay.
+    if not kernel.AMX:
+        pytest.skip("no AMX on this CPU")
+    rows, cols, tokens = 4112, 64, 261
+    assert tokens * rows * 4 >= kernel.AMX_STREAM_OUTPUT_BYTES
+    blocks = random_blocks(qtype, rows, cols, seed=qtype + 11)
+    gen = torch.Generator().manual_seed(qtype + 11)
+    x = torch.randn(tokens, cols, generator=gen)
+    want, scale = reference(blocks, qtype, x)
+    whole = torch.empty(tokens, rows)
+    wide = torch.full((tokens, rows + 32), float("nan"))
+    view = wide[:, 16 : 16 + rows]  # starts on a line (16 floats in), stride 4,144 floats
+    for out in (whole, view):
+        kernel.qmatmul(x, torch.from_numpy(blocks), qtype, out)
+        assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (qtype, out.stride())
+    assert wide[:, :16].isnan().all() and wide[:, 16 + rows :].isnan().all()
+
+
 @pytest.mark.parametrize("offset", [0, 16], ids=["on a line", "off a line"])
 def test_bf16_weights_on_and_off_a_cache_line(kernel: Any, offset: int) -> None:
     # On AMX, bf16 rows whose weight starts on a 64-byte line are read in place, whole

@@ -353,11 +353,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("GEMV_MAX_TOKENS") = kGemvMax;
 #if defined(HISERVE_HAVE_AMX)
   m.attr("AMX") = amx_available();
+  m.attr("AMX_STREAM_OUTPUT_BYTES") = kStreamOutputBytes;
   m.def("set_amx", [](bool on) { return amx_enabled().exchange(on); },
         "use the AMX path for more than GEMV_MAX_TOKENS tokens where the CPU has it; "
         "returns the previous setting");
 #else
   m.attr("AMX") = false;
+  m.attr("AMX_STREAM_OUTPUT_BYTES") = 0;
   m.def("set_amx", [](bool) { return false; }, "no AMX in this build");
 #endif
 #if defined(HISERVE_HAVE_FMA_TILES)
