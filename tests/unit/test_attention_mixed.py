@@ -135,6 +135,29 @@ def test_mixed_forward_matches_reference(
     assert load.waited == list(range(LAYERS))
 
 
+@pytest.mark.parametrize("sdpa_gqa", [True, False], ids=["enable_gqa", "repeated K/V"])
+def test_extend_with_grouped_heads_either_way(
+    monkeypatch: pytest.MonkeyPatch, sdpa_gqa: bool
+) -> None:
+    # On the CPU with torch >= 2.5 SDPA takes the K/V heads as they are (enable_gqa);
+    # elsewhere they are repeated per query head. Both must give the same attention.
+    import engine.layers.attention as attention
+
+    monkeypatch.setattr(attention, "_SDPA_GQA", sdpa_gqa)
+    pool, meta, q, k, v = mixed_case(2, 3, [], [(0, 9), (11, 5), (0, 1)], seed=5)
+    calls: list[dict[str, Any]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    got = TorchAttentionBackend().forward(q, k, v, 0, meta, pool)
+    torch.testing.assert_close(got.double(), reference(pool, 0, meta, q), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 3 and all(c.get("enable_gqa", False) == sdpa_gqa for c in calls)
+
+
 def test_split_is_built_once_and_slices_the_batch() -> None:
     _, meta, *_ = mixed_case(2, 2, [9, 1, 30], [(12, 6), (0, 4)], seed=3)
     decode, extend = meta.split_decodes()
