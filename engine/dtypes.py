@@ -128,7 +128,9 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, spec: DeviceSpec) -> tor
         return model_dtype
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name)
     if dtype is None:
-        raise ValueError(f"--kv-cache-dtype {name!r} is not valid; choose auto, float32 or bfloat16")
+        raise ValueError(
+            f"--kv-cache-dtype {name!r} is not valid; choose auto, float32 or bfloat16"
+        )
     if spec.type != "cpu" and dtype != model_dtype:
         raise ValueError(
             f"--kv-cache-dtype {name} on {spec.type}: the KV cache there holds the model "
