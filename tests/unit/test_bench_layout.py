@@ -16,6 +16,7 @@ MICRO = {
     "host_copy",
     "bookkeeping",
     "packed_gemv",
+    "packed_matmul",
 }
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {

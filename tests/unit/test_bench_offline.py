@@ -113,6 +113,30 @@ def test_packed_gemv_bench_runs_every_type_and_shape(capsys: pytest.CaptureFixtu
     assert all(float(r[2]) > 0 for r in rows)
 
 
+def test_packed_matmul_bench_times_every_type_and_shape(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench.micro import packed_matmul
+
+    argv = ["--types", "BF16", "Q8_0", "--shapes", "64x256", "32x512", "--tokens", "40"]
+    packed_matmul.main([*argv, "--rounds", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "40 tokens" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("BF16", "64x256"),
+        ("BF16", "32x512"),
+        ("BF16", "all"),
+        ("Q8_0", "64x256"),
+        ("Q8_0", "32x512"),
+        ("Q8_0", "all"),
+    ]
+    shapes = [r for r in rows if r[1] != "all"]
+    assert all(float(r[2]) >= 0 and float(r[4]) >= 0 for r in shapes)
+    with pytest.raises(SystemExit):  # 1-4 tokens take the register path: not this bench
+        packed_matmul.main(["--tokens", "4"])
+
+
 def test_packed_gemv_bench_weights_are_finite() -> None:
     # Random bytes everywhere but the fp16 fields: no NaN or inf reaches the products.
     from bench.micro import packed_gemv

@@ -1,0 +1,91 @@
+"""The packed kernel's batch path (engine/layers/csrc/quant_amx.h on CPUs with AMX) at
+prefill sizes: milliseconds and TFLOPS per weight shape, beside torch's own bf16 matmul.
+
+    python -m bench.micro.packed_matmul [--types BF16 Q4_1] [--tokens 4096] [--rounds 5]
+                                        [--shapes 960x576 576x576 3072x576 576x1536]
+
+The default shapes are one layer of the default model (SmolLM2-135M: q/k/v, o, gate/up,
+down), summed on each type's last line. ``torch bf16`` is ``F.linear`` on bf16 tokens and
+weights (oneDNN, bf16 out): one tile product per value where hiserve's float32 tokens
+take two (quant_amx.h), so it is a scale to read the figures against, not the same sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.micro.packed_gemv import random_weight
+from engine.layers.quant_cpu import PACKED_TYPES, quant_kernel
+
+DEFAULT_SHAPES = ["960x576", "576x576", "3072x576", "576x1536"]
+
+
+def best_seconds(fn: Callable[[], Any], rounds: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_shape(
+    kernel: Any, qtype: int, n: int, k: int, tokens: int, rounds: int
+) -> tuple[float, float]:
+    """Best seconds of ``qmatmul`` and of torch's bf16 ``F.linear`` on one shape."""
+    gen = torch.Generator().manual_seed(n * k + qtype)
+    dense = torch.randn(n, k, generator=gen).bfloat16()
+    if PACKED_TYPES[qtype][0] == "BF16":
+        weight = dense.view(torch.uint8).reshape(n, -1).contiguous()
+    else:
+        weight = random_weight(qtype, n, k, gen)
+    x, out = torch.randn(tokens, k, generator=gen), torch.empty(tokens, n)
+    ours = best_seconds(lambda: kernel.qmatmul(x, weight, qtype, out), rounds)
+    x16 = x.bfloat16()
+    theirs = best_seconds(lambda: F.linear(x16, dense), rounds)
+    return ours, theirs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = {name: q for q, (name, _, _) in PACKED_TYPES.items()}
+    parser.add_argument("--types", nargs="+", default=["BF16", "Q4_1"])
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    unknown = set(args.types) - set(names)
+    if unknown:
+        parser.error(f"unknown types {sorted(unknown)}; types: {sorted(names)}")
+    if args.tokens <= 4:
+        parser.error("--tokens must be over 4 (fewer take the register path: packed_gemv)")
+    torch.set_grad_enabled(False)
+    kernel = quant_kernel()
+    if kernel is None:
+        raise SystemExit("the packed CPU kernel is not available here (HISERVE_GGUF_PACKED=0?)")
+    path = "AMX tiles" if kernel.AMX else f"no AMX ({kernel.ISA})"
+    print(f"packed batch path ({path}), {args.tokens} tokens, best of {args.rounds}")
+    print(f"{'type':6} {'N x K':>11} {'ms':>8} {'TFLOPS':>7} {'torch bf16 ms':>14}")
+    for name in args.types:
+        total = reference = 0.0
+        for shape in args.shapes:
+            n, k = (int(v) for v in shape.lower().split("x"))
+            ours, theirs = time_shape(kernel, names[name], n, k, args.tokens, args.rounds)
+            total, reference = total + ours, reference + theirs
+            flops = 2 * n * k * args.tokens
+            print(
+                f"{name:6} {shape:>11} {ours * 1e3:8.2f} {flops / ours / 1e12:7.2f} "
+                f"{theirs * 1e3:14.2f}"
+            )
+        print(f"{name:6} {'all':>11} {total * 1e3:8.2f} {'':>7} {reference * 1e3:14.2f}")
+
+
+if __name__ == "__main__":
+    main()
