@@ -197,6 +197,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = self.intermediate_size
+        packed = self.gate_up_proj.packed
+        if self.act_mul is not None and packed is not None and self.gate_up_proj.bias is None:
+            # SwiGLU in the packed product's own pass where it can (AMX batches).
+            # NOTE: apart, the [T, 2I] product was the largest tensor a prefill wrote and
+            # read back (2026-12-06).
+            fused = packed.swiglu(x)
+            if fused is not None:
+                return self.down_proj.forward(fused)
         gate_up = self.gate_up_proj.forward(x)  # [num_tokens, 2 * intermediate]
         if self.act_mul is not None:
             return self.down_proj.forward(self.act_mul(gate_up))

@@ -182,6 +182,23 @@ class PackedWeight:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(x @ gate^T) * (x @ up^T)`` for this ``[gate; up]`` weight, ``[T, out / 2]``
+        in ``x``'s dtype, in one pass over the AMX tiles (the ``[T, out]`` product never goes
+        to memory); None where that path is not taken (few tokens, no AMX, gate and up of
+        two types): the caller multiplies, then applies SwiGLU."""
+        if self._kernel is None:
+            self.finish()
+        kernel: Any = self._kernel
+        if len(self._parts) != 1 or x.shape[0] <= kernel.GEMV_MAX_TOKENS or not kernel.AMX:
+            return None
+        (part,) = self._parts.values()
+        x32 = x.float() if x.dtype != torch.float32 else x
+        out = torch.empty(x32.shape[0], self.out_features // 2, dtype=torch.float32)
+        if not kernel.qmatmul_swiglu(x32, part.data, part.qtype, out):
+            return None
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     def native_linear(self, kernel: Any, bias: torch.Tensor | None) -> Any:
         """This weight (and ``bias``) as the native module's ``PackedLinear``, which
         ``DecodeLayers`` multiplies by as ``matmul`` does (engine/models/native_decode.py)."""

@@ -15,7 +15,9 @@
 // unpack_unit as the register path) into hi and lo bf16 rows, which are the A tiles as they
 // are (16 rows x 32 values). The tokens are the B tiles: x split once per call into hi
 // and lo, stored as ggml/oneDNN's "VNNI" pairs (for each pair of k, 16 tokens x 2 values).
-// A tile product then gives y^T for 16 rows x 16 tokens, which is written out transposed.
+// A tile product then gives y^T for 16 rows x 16 tokens, which is written out transposed
+// (amx_io.h moves values into and out of the tiles' layouts). A [gate; up] weight can
+// instead give silu(gate) * up directly (``swiglu``, amx_rows).
 // What bounds the speed is feeding the tiles, not their arithmetic: buffers start on a
 // cache line, K goes in slices whose weight tiles stay in L1 while the tokens pass, and
 // the tokens pass in groups whose tiles stay in L2 beside a panel of rows (a prefill of
@@ -27,9 +29,9 @@
 // keep the float32 path.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__) && \
-    (defined(__clang__) || __GNUC__ >= 11)
-#define HISERVE_HAVE_AMX 1
+#include "amx_io.h"
+
+#if defined(HISERVE_HAVE_AMX)
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -44,9 +46,6 @@
 #include <vector>
 
 #include "quant_unpack.h"
-
-#define HISERVE_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
 
 namespace hiserve_quant {
 
@@ -105,81 +104,13 @@ HISERVE_AMX_TARGET inline void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// 16 floats -> (their bf16, the bf16 of what that leaves), round to nearest even.
-HISERVE_AMX_TARGET inline void split_bf16(__m512 v, __m256i& hi, __m256i& lo) {
-  hi = (__m256i)_mm512_cvtneps_pbh(v);
-  const __m512 back = bf16x16_to_ps(hi);
-  lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
-}
-
-// r[0..15], 16 rows of 16 dwords -> their transpose: within 128-bit lanes, then the lanes.
-HISERVE_AMX_TARGET inline void transpose16_epi32(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // u[4g + c], 128-bit lane l: column 4l + c of rows 4g..4g+3.
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i lo01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-    const __m512i hi01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i lo23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(lo01, hi01, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(lo01, hi01, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0xDD);
-  }
-}
-
-// Token blocks [b0, b1) of x [M, K] (row stride xs) -> hi and lo B tiles: for each block
-// of 16 tokens, K/2 rows of 16 (token) x 2 (k, k+1) bf16; tokens past M are zero.
-// A (k, k+1) pair is one dword, so 16 tokens x 32 k is a 16 x 16 dword transpose.
-// NOTE: scattering each token's 16 dwords into their rows instead was 13% of a bf16
-// prefill of 4,096 tokens (perf, 2026-12-06).
-HISERVE_AMX_TARGET inline void pack_tokens(const float* x, int64_t xs, int64_t m_len,
-                                           int64_t k_len, int64_t b0, int64_t b1,
-                                           uint16_t* hi, uint16_t* lo) {
-  for (int64_t mb = b0; mb < b1; ++mb) {
-    uint16_t* hb = hi + mb * (k_len / 2) * 32;
-    uint16_t* lb = lo + mb * (k_len / 2) * 32;
-    for (int64_t k = 0; k < k_len; k += 32) {
-      __m512i h[16], l[16];
-      for (int t = 0; t < 16; ++t) {
-        const int64_t m = mb * 16 + t;
-        if (m >= m_len) {
-          h[t] = l[t] = _mm512_setzero_si512();
-          continue;
-        }
-        __m256i h0, l0, h1, l1;
-        split_bf16(_mm512_loadu_ps(x + m * xs + k), h0, l0);
-        split_bf16(_mm512_loadu_ps(x + m * xs + k + 16), h1, l1);
-        h[t] = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
-        l[t] = _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1);
-      }
-      transpose16_epi32(h);
-      transpose16_epi32(l);
-      for (int j = 0; j < 16; ++j) {
-        _mm512_store_si512(hb + (k / 2 + j) * 32, h[j]);
-        _mm512_store_si512(lb + (k / 2 + j) * 32, l[j]);
-      }
-    }
-  }
-}
-
-// Rows [n0, n0 + 32) of W (rows past n_len are zero) -> hi and lo bf16 rows of k_len.
+// Rows [n0, n0 + rows) of W (rows past n_len are zero) -> hi and lo bf16 rows of k_len.
 template <int Q>
 HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, int64_t n0,
-                                         int64_t n_len, int64_t k_len, uint16_t* hi,
+                                         int64_t n_len, int64_t k_len, int rows, uint16_t* hi,
                                          uint16_t* lo) {
   constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
-  for (int r = 0; r < kAmxRows; ++r) {
+  for (int r = 0; r < rows; ++r) {
     __m256i* h = reinterpret_cast<__m256i*>(hi + r * k_len);
     __m256i* l = reinterpret_cast<__m256i*>(lo + r * k_len);
     if (n0 + r >= n_len) {
@@ -213,37 +144,18 @@ HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, in
   }
 }
 
-// One chunk's results for a block of tokens, c ([row block][16 rows][16 tokens]), to
-// y[token][32 rows] (row stride ys): each row block is transposed in registers. With
-// ``stream`` the lines go straight to memory (non-temporal stores): a large output
-// would leave the caches anyway, and a normal store first reads every line it writes.
-// NOTE: streaming made a 4,096-token bf16 prefill 8% faster (1.39 -> 1.28 s, 2026-12-06).
-HISERVE_AMX_TARGET inline void store_chunk(const float* c, int64_t toks, float* y, int64_t ys,
-                                           bool stream) {
-  for (int rb = 0; rb < 2; ++rb) {
-    __m512i v[16];
-    for (int r = 0; r < 16; ++r) v[r] = _mm512_load_si512(c + rb * 256 + r * 16);
-    transpose16_epi32(v);
-    for (int64_t t = 0; t < toks; ++t) {
-      float* out = y + t * ys + rb * 16;
-      if (stream)
-        _mm512_stream_ps(out, _mm512_castsi512_ps(v[t]));
-      else
-        _mm512_storeu_ps(out, _mm512_castsi512_ps(v[t]));
-    }
-  }
-}
-
 // Token blocks x K slice of one chunk of 32 rows: the results of token blocks [mb0, mb1)
 // accumulate in c ([token block - mb0][row block][16 rows][16 tokens]) across K slices.
+// The chunk's second row block starts ``second`` values after its first (ah and al).
 // Two token blocks at a time: four accumulators (2 row blocks x 2 token blocks), so four
 // independent tile products are in flight, each after one tile load. The three terms are
 // three passes over the slice: hi x hi, lo x hi, hi x lo; ``exact_weights`` (bf16
 // weights, whose low part is zero) skips the second.
 HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
                                          const uint16_t* xh, const uint16_t* xl,
-                                         int64_t k_len, int64_t k0, int64_t k1, int64_t mb0,
-                                         int64_t mb1, float* c, bool exact_weights) {
+                                         int64_t second, int64_t k_len, int64_t k0,
+                                         int64_t k1, int64_t mb0, int64_t mb1, float* c,
+                                         bool exact_weights) {
   const int64_t stride = k_len * 2;  // bytes per packed weight row
   for (int64_t mb = mb0; mb < mb1; mb += 2) {
     const bool pair = mb + 1 < mb1;
@@ -268,7 +180,7 @@ HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
       const uint16_t* b = (term == 2 ? xl : xh) + mb * (k_len / 2) * 32;
       for (int64_t k = k0; k < k1; k += 32) {
         _tile_loadd(4, a + k, stride);
-        _tile_loadd(5, a + 16 * k_len + k, stride);
+        _tile_loadd(5, a + second + k, stride);
         _tile_loadd(6, b + k * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
@@ -288,20 +200,24 @@ HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
   }
 }
 
-// One thread's rows [n_begin, n_end) (a multiple of 32 apart, but for the last chunk).
+// One thread's output columns [n_begin, n_end) (whole chunks apart, but for the last).
 // NOTE: the rows go in panels of chunks whose packed tiles stay in L2 (kRowPanelBytes),
 // each dequantized once; the tokens pass over a panel in groups whose tiles stay in L2
 // beside it (kTokenGroupBytes). Packing every chunk of the thread's rows before the first
 // group (up to 2026-12-06) kept 50 MB of tiles per thread for a 3072 x 8192 weight, read
 // back from memory by each group: 48 tokens took 4x as long as 32.
+// ``swiglu``: W is [gate; up], 2 n_len rows, and y[M, n_len] = silu(x gate^T) * x up^T.
+// A chunk is then 16 columns: 16 gate rows and the 16 up rows n_len below them are its
+// two row blocks, so the [M, 2 n_len] product never goes to memory.
 template <int Q>
 HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t m_len,
                                  const uint8_t* w, int64_t row_bytes, int64_t n_begin,
                                  int64_t n_end, int64_t n_len, int64_t k_len, float* y,
-                                 int64_t ys, bool stream) {
+                                 int64_t ys, bool stream, bool swiglu) {
+  const int64_t cols = swiglu ? 16 : kAmxRows;  // output columns per chunk
   const int64_t m_blocks = (m_len + 15) / 16;
   const int64_t group = std::max<int64_t>(2, kTokenGroupBytes / (k_len * 4 * 16) / 2 * 2);
-  const int64_t chunks = (n_end - n_begin + kAmxRows - 1) / kAmxRows;
+  const int64_t chunks = (n_end - n_begin + cols - 1) / cols;
   const int64_t chunk_elems = kAmxRows * k_len;  // bf16 values of one chunk's hi (or lo) tiles
   const int64_t panel = std::clamp<int64_t>(kRowPanelBytes / (chunk_elems * 4), 1, chunks);
   LineBuffer<uint16_t> wh(panel * chunk_elems), wl(panel * chunk_elems);
@@ -311,37 +227,46 @@ HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t
   // K * 2 bytes, a multiple of 64, so lines stay aligned where the weight starts on one).
   // NOTE: copying every chunk instead was a quarter of a decode step at a batch of 32.
   const bool in_place = Q == kBF16 && reinterpret_cast<uintptr_t>(w) % 64 == 0;
-  const auto direct = [&](int64_t n0) { return in_place && n0 + kAmxRows <= n_len; };
+  const auto direct = [&](int64_t n0) { return in_place && n0 + cols <= n_len; };
+  const auto pack = [&](int64_t n0, uint16_t* hi, uint16_t* lo) {
+    if (!swiglu) return pack_rows<Q>(w, row_bytes, n0, n_len, k_len, kAmxRows, hi, lo);
+    pack_rows<Q>(w, row_bytes, n0, n_len, k_len, 16, hi, lo);
+    pack_rows<Q>(w, row_bytes, n_len + n0, 2 * n_len, k_len, 16, hi + 16 * k_len,
+                 lo + 16 * k_len);
+  };
   for (int64_t p0 = 0; p0 < chunks; p0 += panel) {
     const int64_t p1 = std::min(chunks, p0 + panel);
     for (int64_t ci = p0; ci < p1; ++ci) {
-      const int64_t n0 = n_begin + ci * kAmxRows;
+      const int64_t n0 = n_begin + ci * cols;
       if (!direct(n0))
-        pack_rows<Q>(w, row_bytes, n0, n_len, k_len, wh.data + (ci - p0) * chunk_elems,
-                     wl.data + (ci - p0) * chunk_elems);
+        pack(n0, wh.data + (ci - p0) * chunk_elems, wl.data + (ci - p0) * chunk_elems);
     }
     for (int64_t mb0 = 0; mb0 < m_blocks; mb0 += group) {
       const int64_t mb1 = std::min(m_blocks, mb0 + group);
       for (int64_t ci = p0; ci < p1; ++ci) {
-        const int64_t n0 = n_begin + ci * kAmxRows;
-        const uint16_t* ah = direct(n0) ? reinterpret_cast<const uint16_t*>(w + n0 * row_bytes)
-                                        : wh.data + (ci - p0) * chunk_elems;
+        const int64_t n0 = n_begin + ci * cols;
+        const bool here = direct(n0);
+        const uint16_t* ah = here ? reinterpret_cast<const uint16_t*>(w + n0 * row_bytes)
+                                  : wh.data + (ci - p0) * chunk_elems;
         const uint16_t* al = wl.data + (ci - p0) * chunk_elems;
+        const int64_t second = (here && swiglu ? n_len : 16) * k_len;
         for (int64_t k0 = 0; k0 < k_len; k0 += kSliceK) {
-          amx_slice(ah, al, xh, xl, k_len, k0, std::min<int64_t>(k_len, k0 + kSliceK), mb0,
-                    mb1, c.data, Q == kBF16);
+          amx_slice(ah, al, xh, xl, second, k_len, k0, std::min<int64_t>(k_len, k0 + kSliceK),
+                    mb0, mb1, c.data, Q == kBF16);
         }
-        const int64_t rows = std::min<int64_t>(kAmxRows, n_len - n0);
+        const int64_t rows = std::min<int64_t>(cols, n_len - n0);
         for (int64_t mb = mb0; mb < mb1; ++mb) {
           const float* cb = c.data + (mb - mb0) * 512;  // [row block][row][token]
           const int64_t toks = std::min<int64_t>(16, m_len - mb * 16);
-          if (rows == kAmxRows) {
-            store_chunk(cb, toks, y + mb * 16 * ys + n0, ys, stream);
-            continue;
-          }
-          for (int64_t t = 0; t < toks; ++t) {
-            float* out = y + (mb * 16 + t) * ys + n0;
-            for (int64_t r = 0; r < rows; ++r) out[r] = cb[(r / 16) * 256 + (r % 16) * 16 + t];
+          float* out = y + mb * 16 * ys + n0;
+          if (swiglu) {
+            store_swiglu(cb, toks, rows, out, ys, stream);
+          } else if (rows == kAmxRows) {
+            store_chunk(cb, toks, out, ys, stream);
+          } else {
+            for (int64_t t = 0; t < toks; ++t)
+              for (int64_t r = 0; r < rows; ++r)
+                out[t * ys + r] = cb[(r / 16) * 256 + (r % 16) * 16 + t];
           }
         }
       }
@@ -352,21 +277,24 @@ HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t
 }
 
 // y[M, N] (row stride ys) = x[M, K] (row stride xs) @ W^T on the tiles; K % 32 == 0.
+// ``swiglu``: W has 2N rows, [gate; up], and y = silu(x gate^T) * x up^T (amx_rows).
 template <int Q>
 void amx_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w,
-                int64_t row_bytes, int64_t n_len, int64_t k_len, float* y, int64_t ys) {
+                int64_t row_bytes, int64_t n_len, int64_t k_len, float* y, int64_t ys,
+                bool swiglu = false) {
   const int64_t m_pad = (m_len + 15) / 16 * 16;
   LineBuffer<uint16_t> xh(m_pad * k_len), xl(m_pad * k_len);
   // NOTE: the lambdas only call: code in them is not built for the AMX target.
   at::parallel_for(0, m_pad / 16, 1, [&](int64_t begin, int64_t end) {
     pack_tokens(x, xs, m_len, k_len, begin, end, xh.data, xl.data);
   });
-  const int64_t chunks = (n_len + kAmxRows - 1) / kAmxRows;
+  const int64_t cols = swiglu ? 16 : kAmxRows;
+  const int64_t chunks = (n_len + cols - 1) / cols;
   const bool stream = m_len * n_len * 4 >= kStreamOutputBytes && ys % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(y) % 64 == 0;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    amx_rows<Q>(xh.data, xl.data, m_len, w, row_bytes, begin * kAmxRows,
-                std::min(end * kAmxRows, n_len), n_len, k_len, y, ys, stream);
+    amx_rows<Q>(xh.data, xl.data, m_len, w, row_bytes, begin * cols,
+                std::min(end * cols, n_len), n_len, k_len, y, ys, stream, swiglu);
   });
 }
 

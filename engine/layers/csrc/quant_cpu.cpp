@@ -2,9 +2,9 @@
 // where each row of W is a run of ggml blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or
 // plain bfloat16 (ggml's BF16, taken 32 weights at a time): --dtype bfloat16 on the CPU.
 //
-// - qmatmul, M <= kGemvMax: each row's blocks are dequantized 32 weights at a time into
-//   two 16-float vectors (registers only) and multiplied into one float32 accumulator
-//   per token; rows are split over the threads. The bytes read per call are the packed
+// - qmatmul, M <= kGemvMax (quant_gemv.h): each row's blocks are dequantized 32 weights
+//   at a time into two 16-float vectors (registers only) and multiplied into one float32
+//   accumulator per token; rows are split over the threads. The bytes read per call are the packed
 //   bytes, 3.5-8.5 bits a weight instead of 32. With AVX-512 rows go 4 at a time (2 at
 //   3-4 tokens; rows_in_registers), each run of scales converted once: 16 blocks' of
 //   the 32-weight types by one gather, a K-quant block's 8 or 16.
@@ -16,6 +16,7 @@
 // - qmatmul, more tokens, elsewhere: the threads dequantize chunks of kTileRows rows each
 //   into a float32 buffer (about 1 MB a chunk), then at::mm multiplies the chunk by all
 //   tokens, writing in place into the output's columns.
+// - qmatmul_swiglu: a [gate; up] weight's product and SwiGLU in one pass on AMX.
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
 // With AVX-512 the dequantize is vector code per unit of sub-blocks that share bytes
@@ -40,14 +41,13 @@
 
 #include "quant_amx.h"
 #include "quant_fma.h"
+#include "quant_gemv.h"
 #include "quant_unpack.h"
 
 namespace {
 
 using namespace hiserve_quant;  // NOLINT: the block formats, one namespace per header
 
-constexpr int kGemvMax = 4;     // the most tokens the register path takes
-constexpr int64_t kPrefetchRows = 8;  // how far ahead the register path asks for rows
 constexpr int kTileRows = 64;   // rows per dequantized tile on the batched path
 // Floats of dequantized rows per at::mm on the batched path (1 MB): fewer, larger calls.
 constexpr int64_t kChunkFloats = 256 * 1024;
@@ -64,140 +64,6 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k_len, int64_t n_
     for (int64_t bi = 0; bi < blocks; ++bi)
       dequant_block_to<Q>(row + bi * kBytes, out + bi * kBlock);
   }
-}
-
-#if defined(__AVX512F__)
-// Rows [n, n + R) of gemv_rows with AVX-512: each run of sub-blocks' scales converted
-// once (run_scales: 16 blocks of the 32-weight types, one K-quant block), then each
-// unit of sub-blocks (unpack_unit) unpacked into registers and multiplied into float32
-// accumulators.
-// R rows at a time: a row alone is bound by latencies (the scales at its start, its FMA
-// chains, the sum across lanes at its end), which R independent rows hide from one
-// another.
-template <int Q, int M, int R>
-inline void rows_in_registers(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes,
-                              int64_t k_len, float* y, int64_t ys, int64_t n, int64_t n_end) {
-  const int64_t blocks = k_len / block_len<Q>();
-  const int64_t runs = (blocks * (block_len<Q>() / 32) + run_subs<Q>() - 1) / run_subs<Q>();
-  SubScales scales[R];
-  const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * row_bytes;
-  // NOTE: the rows stream from memory once per step; the hardware prefetcher alone left
-  // this loop waiting on them (5 GB/s of a 25 GB/s stream). Ask for the rows
-  // kPrefetchRows ahead while these are unpacked, a run's bytes of each with each run:
-  // asking for all of their lines at once (R x 27 for a 3072-wide Q4_K row) outran the
-  // line fill buffers.
-  const int64_t run_bytes = row_bytes / runs;
-  const int ahead_rows = static_cast<int>(std::clamp<int64_t>(n_end - n - kPrefetchRows, 0, R));
-  const char* ahead = ahead_rows > 0
-                          ? reinterpret_cast<const char*>(w + (n + kPrefetchRows) * row_bytes)
-                          : nullptr;
-  __m512 acc[R][M][2];
-  for (auto& row : acc)
-    for (auto& token : row) token[0] = token[1] = _mm512_setzero_ps();
-  for (int64_t run = 0; run < runs; ++run) {
-    for (int r = 0; r < ahead_rows; ++r) {
-      const char* p = ahead + r * row_bytes + run * run_bytes;
-      for (int64_t off = 0; off < run_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-    }
-    int count = 0;
-    for (int r = 0; r < R; ++r) count = run_scales<Q>(rows[r], run, blocks, scales[r]);
-    for (int j = 0; j < count; j += unit_subs<Q>()) {
-      const float* xk = x + (run * run_subs<Q>() + j) * 32;
-      for (int r = 0; r < R; ++r) {
-        __m512 v[2 * unit_subs<Q>()];
-        run_unpack<Q>(rows[r], run, j, scales[r], v);
-        for (int m = 0; m < M; ++m)
-          for (int i = 0; i < 2 * unit_subs<Q>(); ++i)
-            acc[r][m][i % 2] =
-                _mm512_fmadd_ps(v[i], _mm512_loadu_ps(xk + m * xs + 16 * i), acc[r][m][i % 2]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m)
-      y[m * ys + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
-}
-#endif
-
-// y[m, n] for tokens m < M and rows n in [n_begin, n_end): dequantized in registers.
-template <int Q, int M>
-void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, int64_t k_len,
-               float* y, int64_t ys, int64_t n_begin, int64_t n_end) {
-#if defined(__AVX512F__)
-  constexpr int R = M <= 2 ? 4 : 2;  // rows at a time: R x M x 2 accumulators in registers
-  int64_t n = n_begin;
-  for (; n + R <= n_end; n += R)
-    rows_in_registers<Q, M, R>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
-  for (; n < n_end; ++n) rows_in_registers<Q, M, 1>(x, xs, w, row_bytes, k_len, y, ys, n, n_end);
-#else
-  constexpr int kBlock = block_len<Q>(), kBytes = block_bytes<Q>();
-  const int64_t blocks = k_len / kBlock;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-#if defined(__AVX2__) && defined(__FMA__)
-    // NOTE: the rows stream from memory once per step; the hardware prefetcher alone
-    // left this loop waiting on them (5 GB/s of a 25 GB/s stream). Ask for the row
-    // kPrefetchRows ahead while this one is unpacked, a block's bytes with each block
-    // (all of its lines at once outran the line fill buffers, as in rows_in_registers).
-    const char* ahead = n + kPrefetchRows < n_end
-                            ? reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes)
-                            : nullptr;
-    {  // dequantized in registers, 32 weights at a time
-      __m256 acc0[M], acc1[M];
-      for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
-      for (int64_t bi = 0; bi < blocks; ++bi) {
-        if (ahead != nullptr)
-          for (int64_t off = bi * kBytes; off < (bi + 1) * kBytes; off += 64)
-            _mm_prefetch(ahead + off, _MM_HINT_T0);
-        for (int sub = 0; sub < kBlock / 32; ++sub) {
-          __m256 v[4];
-          dequant32_avx2<Q>(row + bi * kBytes, sub, v);
-          const float* xk = x + bi * kBlock + sub * 32;
-          for (int m = 0; m < M; ++m) {
-            const float* xm = xk + m * xs;
-            acc0[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xm), acc0[m]);
-            acc1[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xm + 8), acc1[m]);
-            acc0[m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), acc0[m]);
-            acc1[m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), acc1[m]);
-          }
-        }
-      }
-      for (int m = 0; m < M; ++m) {
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, _mm256_add_ps(acc0[m], acc1[m]));
-        float s = 0.f;
-        for (float lane : lanes) s += lane;
-        y[m * ys + n] = s;
-      }
-    }
-#else
-    float buf[kBlock];
-    float sum[M] = {};
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      dequant_block<Q>(row + bi * kBytes, buf);
-      for (int m = 0; m < M; ++m) {
-        const float* xk = x + m * xs + bi * kBlock;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int i = 0; i < kBlock; ++i) s += buf[i] * xk[i];
-        sum[m] += s;
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * ys + n] = sum[m];
-#endif
-  }
-#endif
-}
-
-template <int Q, int M>
-void gemv(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, int64_t n_len,
-          int64_t k_len, float* y, int64_t ys) {
-  // Grain: a call too small to pay for waking the other threads stays on this one.
-  const int64_t grain = n_len * k_len < 65536 ? n_len : 8;
-  at::parallel_for(0, n_len, grain, [&](int64_t begin, int64_t end) {
-    gemv_rows<Q, M>(x, xs, w, row_bytes, k_len, y, ys, begin, end);
-  });
 }
 
 template <int Q>
@@ -278,6 +144,17 @@ struct Run {
   }
 };
 
+#if defined(HISERVE_HAVE_AMX)
+template <int Q>
+struct RunSwiglu {  // y [M, N] from a [gate; up] weight of 2N rows
+  void operator()(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n,
+                  int64_t k, torch::Tensor& y) const {
+    amx_matmul<Q>(x.data_ptr<float>(), x.stride(0), x.size(0), w, row_bytes, n, k,
+                  y.data_ptr<float>(), y.stride(0), /*swiglu=*/true);
+  }
+};
+#endif
+
 template <int Q>
 struct Dequant {
   void operator()(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, float* dst) const {
@@ -317,6 +194,31 @@ void qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t qtype,
                 k_len, out);
 }
 
+// out [M, I] = silu(x @ gate^T) * (x @ up^T) for weight = [gate; up], [2I, row_bytes], in
+// one pass over the AMX tiles. Returns false, having written nothing, where qmatmul would
+// not take the AMX path (GEMV_MAX_TOKENS tokens or fewer, no AMX): multiply, then SwiGLU.
+bool qmatmul_swiglu(const torch::Tensor& x, const torch::Tensor& weight, int64_t qtype,
+                    torch::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x must be float32 CPU");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.dim(), " dims");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2, "out must be float32 [M, I]");
+  const int64_t k_len = x.size(1), half = weight.size(0) / 2;
+  check_weight(weight, qtype, k_len);
+  TORCH_CHECK(weight.size(0) % 2 == 0, "a [gate; up] weight has an even number of rows");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == half && out.stride(1) == 1,
+              "out must be [M, I] with unit column stride");
+#if defined(HISERVE_HAVE_AMX)
+  if (x.size(0) <= kGemvMax || !amx_available() || !amx_enabled().load()) return false;
+  const auto xc = x.is_contiguous() ? x : x.contiguous();
+  if (half > 0)
+    dispatch<RunSwiglu>(static_cast<int>(qtype), xc, weight.data_ptr<uint8_t>(), weight.size(1),
+                        half, k_len, out);
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Rows of W as float32 [N, K].
 torch::Tensor dequantize(const torch::Tensor& weight, int64_t qtype, int64_t k_len) {
   check_weight(weight, qtype, k_len);
@@ -349,6 +251,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // threads go on meanwhile (it touches tensors only).
       .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>(),
            "a pure decode step through every layer -> the final norm's output [B, hidden]");
+  m.def("qmatmul_swiglu", &qmatmul_swiglu,
+        "out[M, I] = silu(x @ gate^T) * (x @ up^T), weight [gate; up]; false: not done here");
   m.def("dequantize", &dequantize, "packed rows [N, row_bytes] -> float32 [N, K]");
   m.attr("GEMV_MAX_TOKENS") = kGemvMax;
 #if defined(HISERVE_HAVE_AMX)

@@ -32,4 +32,10 @@ static inline __m512 exp512(__m512 x) {
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+// SwiGLU for 16 lanes: silu(g) * u = g / (1 + exp(-g)) * u.
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
 #endif
