@@ -3,9 +3,12 @@ prefill sizes: milliseconds and TFLOPS per weight shape, beside torch's own bf16
 
     python -m bench.micro.packed_matmul [--types BF16 Q4_1] [--tokens 4096] [--rounds 5]
                                         [--shapes 960x576 576x576 3072x576 576x1536]
+                                        [--swiglu 3072x576]
 
 The default shapes are one layer of the default model (SmolLM2-135M: q/k/v, o, gate/up,
-down), summed on each type's last line. ``torch bf16`` is ``F.linear`` on bf16 tokens and
+down), summed on each type's last line. A last line per type times the gate/up weight
+(``--swiglu``, 2I x K) with SwiGLU applied apart (``qmatmul``, then the fused kernels'
+``silu_mul``) and in the product's own pass (``qmatmul_swiglu``, AMX only). ``torch bf16`` is ``F.linear`` on bf16 tokens and
 weights (oneDNN, bf16 out): one tile product per value where hiserve's float32 tokens
 take two (quant_amx.h), so it is a scale to read the figures against, not the same sum.
 """
@@ -53,6 +56,34 @@ def time_shape(
     return ours, theirs
 
 
+def time_swiglu(
+    kernel: Any, qtype: int, n: int, k: int, tokens: int, rounds: int
+) -> tuple[float, float | None]:
+    """Best seconds of a [gate; up] product then ``silu_mul``, and of ``qmatmul_swiglu``
+    (None where it does not take the AMX path)."""
+    from engine.layers.fused_cpu import fused_kernels
+
+    fused = fused_kernels()
+    if fused is None:
+        raise SystemExit("the fused CPU kernels are not available here (HISERVE_CPU_FUSED=0?)")
+    gen = torch.Generator().manual_seed(n * k + qtype)
+    if PACKED_TYPES[qtype][0] == "BF16":
+        weight = torch.randn(n, k, generator=gen).bfloat16().view(torch.uint8).reshape(n, -1)
+    else:
+        weight = random_weight(qtype, n, k, gen)
+    x = torch.randn(tokens, k, generator=gen)
+    product, out = torch.empty(tokens, n), torch.empty(tokens, n // 2)
+
+    def apart() -> None:
+        kernel.qmatmul(x, weight, qtype, product)
+        fused.silu_mul(product)
+
+    if not kernel.qmatmul_swiglu(x, weight, qtype, out):
+        return best_seconds(apart, rounds), None
+    one_pass = best_seconds(lambda: kernel.qmatmul_swiglu(x, weight, qtype, out), rounds)
+    return best_seconds(apart, rounds), one_pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     names = {name: q for q, (name, _, _) in PACKED_TYPES.items()}
@@ -60,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--swiglu", default="3072x576", help="a gate/up shape, 2I x K")
     args = parser.parse_args(argv)
     unknown = set(args.types) - set(names)
     if unknown:
@@ -85,6 +117,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"{theirs * 1e3:14.2f}"
             )
         print(f"{name:6} {'all':>11} {total * 1e3:8.2f} {'':>7} {reference * 1e3:14.2f}")
+        n, k = (int(v) for v in args.swiglu.lower().split("x"))
+        apart, one_pass = time_swiglu(kernel, names[name], n, k, args.tokens, args.rounds)
+        fused = "not on this path" if one_pass is None else f"{one_pass * 1e3:.2f} ms"
+        print(
+            f"{name:6} {'SwiGLU':>11} {args.swiglu}: apart {apart * 1e3:.2f} ms, one pass {fused}"
+        )
 
 
 if __name__ == "__main__":

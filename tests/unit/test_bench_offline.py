@@ -119,10 +119,12 @@ def test_packed_matmul_bench_times_every_type_and_shape(
     from bench.micro import packed_matmul
 
     argv = ["--types", "BF16", "Q8_0", "--shapes", "64x256", "32x512", "--tokens", "40"]
-    packed_matmul.main([*argv, "--rounds", "1"])
+    packed_matmul.main([*argv, "--rounds", "1", "--swiglu", "96x64"])
     lines = capsys.readouterr().out.splitlines()
     assert "40 tokens" in lines[0]
-    rows = [line.split() for line in lines[2:]]
+    swiglu = [line for line in lines if "SwiGLU" in line]
+    assert len(swiglu) == 2 and all("96x64: apart" in line for line in swiglu)
+    rows = [line.split() for line in lines[2:] if "SwiGLU" not in line]
     assert [(r[0], r[1]) for r in rows] == [
         ("BF16", "64x256"),
         ("BF16", "32x512"),
