@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int kMaxTokens = 8;  // the largest M the kernel takes; larger M is oneDNN's
@@ -46,7 +48,7 @@ inline void rows_block(const float* x, int64_t x_stride, const float* w, int64_t
     }
   }
   if (k < k_len) {  // K tail: masked loads read nothing past the row
-    const __mmask16 mask = static_cast<__mmask16>((1u << (k_len - k)) - 1u);
+    const __mmask16 mask = lanes16(k_len - k);
     __m512 wv[ROWS];
     for (int r = 0; r < ROWS; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, wr + r * k_len + k);
     for (int m = 0; m < M; ++m) {

@@ -86,14 +86,14 @@ void attend_part(const SeqView& seq, int64_t j0, int64_t j1, const float* q_seq,
     float* row = scores + qh * len;
     __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __mmask16 m = lanes16(len - j);
       peak = _mm512_mask_max_ps(peak, m, peak, _mm512_maskz_loadu_ps(m, row + j));
     }
     st.peak[qh] = _mm512_reduce_max_ps(peak);
     const __m512 max_v = _mm512_set1_ps(st.peak[qh]);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; j += 16) {
-      const __mmask16 m = len - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __mmask16 m = lanes16(len - j);
       const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), max_v));
       sum = _mm512_mask_add_ps(sum, m, sum, e);
       _mm512_mask_storeu_ps(row + j, m, e);

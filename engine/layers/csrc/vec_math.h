@@ -6,6 +6,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
+// The first min(n, 16) of 16 lanes (n >= 0): a row's tail of fewer than 16 values.
+static inline __mmask16 lanes16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
 // 16 bf16 values (their bits) as float32: a bf16 is the top half of a float32.
 static inline __m512 bf16x16_to_ps(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
