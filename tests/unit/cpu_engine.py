@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
 from pathlib import Path
 
 from engine import Engine, EngineConfig
+from engine.request import RequestOutput, SamplingParams
 
 
 def checked_engine(model_dir: Path | str, **config: object) -> Engine:
@@ -15,3 +18,21 @@ def checked_engine(model_dir: Path | str, **config: object) -> Engine:
     engine = Engine(EngineConfig(model=str(model_dir), **fields))  # type: ignore[arg-type]
     engine.check_invariants = True
     return engine
+
+
+def returning_conversations(
+    engine: Engine, params: SamplingParams, count: int, prompt_len: int, follow_len: int
+) -> Iterator[tuple[int, int, list[int], RequestOutput]]:
+    """Two turns of ``count`` conversations, one request at a time: ``prompt_len`` random
+    tokens, then each comes back with its reply and ``follow_len`` new tokens, so the
+    second turn reuses the first's KV (from the device, the host tier or L3). Yields
+    ``(turn, conversation, prompt, output)``; the same prompts for the same arguments."""
+    rng = random.Random(0)
+    convos = [[rng.randrange(100, 40000) for _ in range(prompt_len)] for _ in range(count)]
+    for turn in range(2):
+        for c, convo in enumerate(convos):
+            if turn:
+                convo = convo + [rng.randrange(100, 40000) for _ in range(follow_len)]
+            out = engine.generate([convo], params)[0]
+            yield turn, c, convo, out
+            convos[c] = convo + out.token_ids

@@ -4,7 +4,6 @@ their KV is evicted to the host tier and loaded back."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from transformers import Gemma2Config, MixtralConfig
 
 from engine import Engine, EngineConfig, SamplingParams
 from tests.conftest import TOKENIZER_FILES
+from tests.unit.cpu_engine import returning_conversations
 from tests.unit.hf_reference import hf_greedy, random_hf_model
 from tests.unit.model_configs import TOKENIZER_SIZED
 
@@ -60,15 +60,8 @@ def test_hicache_load_back_keeps_hf_greedy_output(family: tuple[Any, Path]) -> N
     )
     engine.check_invariants = True
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    rng = random.Random(0)
-    convos = [[rng.randrange(100, 40000) for _ in range(40)] for _ in range(4)]
     host_hits = 0
-    for turn in range(2):
-        for c, convo in enumerate(convos):
-            if turn:
-                convo = convo + [rng.randrange(100, 40000) for _ in range(8)]
-            out = engine.generate([convo], params)[0]
-            host_hits += out.cached_tokens_host
-            assert out.token_ids == hf_greedy(hf_model, convo, MAX_TOKENS), (turn, c)
-            convos[c] = convo + out.token_ids
+    for turn, c, convo, out in returning_conversations(engine, params, 4, 40, 8):
+        host_hits += out.cached_tokens_host
+        assert out.token_ids == hf_greedy(hf_model, convo, MAX_TOKENS), (turn, c)
     assert host_hits > 0, "the workload never loaded KV back from the host tier"

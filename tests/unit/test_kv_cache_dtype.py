@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -27,6 +25,7 @@ from engine.layers import cpu_kernels
 from engine.layers.attention import CpuNativeAttentionBackend, TorchAttentionBackend
 from engine.layers.attention_meta import AttentionMetadata
 from engine.platform import DeviceSpec
+from tests.unit.cpu_engine import returning_conversations
 from tests.unit.parity_prompts import parity_prompts
 from tests.unit.test_attention_native import decode_case
 
@@ -131,17 +130,10 @@ def test_extend_after_a_cached_prefix_reads_a_bf16_pool() -> None:
 
 
 def _conversations(engine: Engine, params: SamplingParams) -> tuple[list[list[int]], int]:
-    rng = random.Random(0)
-    convos = [[rng.randrange(100, 40000) for _ in range(48)] for _ in range(5)]
     outputs, host_hits = [], 0
-    for turn in range(2):
-        for c, convo in enumerate(convos):
-            if turn:
-                convo = convo + [rng.randrange(100, 40000) for _ in range(6)]
-            out = engine.generate([convo], params)[0]
-            host_hits += out.cached_tokens_host
-            outputs.append(out.token_ids)
-            convos[c] = convo + out.token_ids
+    for _, _, _, out in returning_conversations(engine, params, 5, 48, 6):
+        host_hits += out.cached_tokens_host
+        outputs.append(out.token_ids)
     return outputs, host_hits
 
 
