@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+import torch
 
 from engine.layers.quant_cpu import PACKED_TYPES
 
@@ -25,3 +26,14 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int) -> np.ndarray:
         scale = rng.uniform(0.001, 0.05, (rows, cols // block)).astype(np.float16)
         data[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
     return data.reshape(rows, -1)
+
+
+def placed(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    """``blocks`` as a uint8 tensor whose data starts ``offset`` bytes past a 64-byte line
+    (on AMX, bf16 weights on a line are read in place, elsewhere copied into the tiles)."""
+    flat = torch.zeros(blocks.size + 64, dtype=torch.uint8)
+    start = (-flat.data_ptr()) % 64 + offset
+    weight = flat[start : start + blocks.size].view(blocks.shape[0], -1)
+    weight.copy_(torch.from_numpy(blocks))
+    assert weight.data_ptr() % 64 == offset
+    return weight

@@ -12,7 +12,7 @@ import torch
 from engine.layers import fused_cpu, quant_cpu
 from engine.layers.linear import GatedMLP
 from engine.layers.quant_cpu import BF16, QuantTensor
-from tests.unit.quant_blocks import random_blocks
+from tests.unit.quant_blocks import placed, random_blocks
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +22,6 @@ def module() -> Any:
     if not kernel.AMX:
         pytest.skip("this CPU has no AMX (or the kernel refused its use)")
     return kernel
-
-
-def placed(blocks: Any, offset: int) -> torch.Tensor:
-    """``blocks`` as a uint8 tensor whose data starts ``offset`` bytes past a 64-byte line
-    (bf16 weights on a line are read in place, elsewhere copied into the tiles)."""
-    flat = torch.zeros(blocks.size + 64, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % 64 + offset
-    weight = flat[start : start + blocks.size].view(blocks.shape[0], -1)
-    weight.copy_(torch.from_numpy(blocks))
-    assert weight.data_ptr() % 64 == offset
-    return weight
 
 
 @pytest.mark.parametrize(

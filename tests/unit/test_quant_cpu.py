@@ -23,7 +23,7 @@ import torch
 
 from engine.layers import cpu_kernels, quant_cpu
 from engine.layers.quant_cpu import PACKED_TYPES, PackedWeight, QuantTensor
-from tests.unit.quant_blocks import random_blocks
+from tests.unit.quant_blocks import placed, random_blocks
 
 REL_TOL = 1e-5
 
@@ -208,11 +208,7 @@ def test_bf16_weights_on_and_off_a_cache_line(kernel: Any, offset: int) -> None:
     # chunks of 32 at a time; elsewhere (and the last, partial chunk) they are copied.
     rows, cols = 67, 256
     blocks = random_blocks(30, rows, cols, seed=31)
-    flat = torch.zeros(blocks.size + 64, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % 64 + offset
-    weight = flat[start : start + blocks.size].view(rows, -1)
-    weight.copy_(torch.from_numpy(blocks))
-    assert weight.data_ptr() % 64 == offset
+    weight = placed(blocks, offset)
     gen = torch.Generator().manual_seed(31)
     for tokens in (5, 40):
         x = torch.randn(tokens, cols, generator=gen)
