@@ -1,7 +1,7 @@
 """bfloat16 on the CPU against HF transformers in float32, teacher-forced.
 
-The default model with bf16 weights (float32 activations, norms and KV; the kernel
-multiplies in float32) reads
+The default model with bf16 weights (float32 activations, norms and KV; a batch's
+products take the activations rounded to bf16 and sum in float32) reads
 each parity prompt followed by HF float32's own greedy continuation; at every position
 its top-1 token must agree with HF float32's top-1 for at least ``MIN_AGREEMENT`` of the
 positions. (Free-running greedy text may drift after one near-tie; teacher forcing

@@ -7,7 +7,8 @@ tokens), the FMA tiles (5-128 tokens without AMX), the chunked path (more), odd 
 counts, K not a multiple of the FMA tiles' slice, strided outputs. Tolerance: each output
 within 1e-5 of the sum of |w * x| over its row (float32 summation error, order aside).
 The same checks run on the build this CPU picks (AVX-512 here), with batches on its AMX
-tiles where the CPU has them (bf16 hi/lo split, csrc/quant_amx.h: the same tolerance),
+tiles where the CPU has them (bf16 hi/lo split, csrc/quant_amx.h: the same tolerance;
+bf16 weights take the tokens rounded to bf16 there, and so does their reference),
 without them, and with every batch pinned to the chunked path, and on an AVX2 build
 forced by reporting an AVX2 CPU to the build flags.
 """
@@ -28,11 +29,24 @@ from tests.unit.quant_blocks import placed, random_blocks
 REL_TOL = 1e-5
 
 
-def reference(blocks: np.ndarray, qtype: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ W^T in float64 with W from gguf's dequantize, |x| @ |W|^T: the error scale)."""
+def reference(
+    blocks: np.ndarray, qtype: int, x: torch.Tensor, kernel: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W^T in float64 with W from gguf's dequantize, |x| @ |W|^T: the error scale).
+    Where ``kernel`` takes x on its AMX tiles against bf16 weights, x is first rounded to
+    bf16 as the kernel rounds it (quant_amx.h's rounds_tokens): the rest is float32."""
     w = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)))
+    if rounds_tokens(kernel, qtype, x.shape[0]):
+        x = x.bfloat16()
     w64, x64 = w.double(), x.double()
     return (x64 @ w64.T).float(), (x64.abs() @ w64.abs().T).float()
+
+
+def rounds_tokens(kernel: Any, qtype: int, tokens: int) -> bool:
+    """Whether ``kernel`` multiplies ``tokens`` tokens by a ``qtype`` weight on its AMX
+    tiles with the tokens rounded to bf16 (bf16 weights, more than the register path's)."""
+    on_amx = isinstance(kernel, _Path) and kernel.amx and kernel.AMX
+    return on_amx and qtype == quant_cpu.BF16 and tokens > kernel.GEMV_MAX_TOKENS
 
 
 def _avx2_build(monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -118,7 +132,7 @@ def test_kernel_matches_gguf_dequantize_then_matmul(kernel: Any, qtype: int) -> 
     fma_max = kernel.FMA_MAX_TOKENS
     for tokens in (1, 2, 3, 4, 5, 16, 33, fma_max, fma_max + 1, 300):
         x = torch.randn(tokens, cols, generator=gen)
-        want, scale = reference(blocks, qtype, x)
+        want, scale = reference(blocks, qtype, x, kernel)
         wide = torch.full((tokens, rows + 9), float("nan"))
         out = wide[:, 4 : 4 + rows]  # a strided view: the kernel writes only its columns
         kernel.qmatmul(x, data, qtype, out)
@@ -138,7 +152,7 @@ def test_kernel_takes_k_past_a_whole_slice(kernel: Any, qtype: int) -> None:
     gen = torch.Generator().manual_seed(qtype + 1)
     for tokens in (5, 17, 64):
         x = torch.randn(tokens, cols, generator=gen)
-        want, scale = reference(blocks, qtype, x)
+        want, scale = reference(blocks, qtype, x, kernel)
         out = torch.empty(tokens, rows)
         kernel.qmatmul(x, torch.from_numpy(blocks), qtype, out)
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype)
@@ -157,7 +171,7 @@ def test_register_path_takes_any_block_count_and_row_count(
     gen = torch.Generator().manual_seed(blocks)
     for tokens in (1, 2, 3, 4):
         x = torch.randn(tokens, cols, generator=gen)
-        want, scale = reference(data, qtype, x)
+        want, scale = reference(data, qtype, x, kernel)
         out = torch.empty(tokens, rows)
         kernel.qmatmul(x, torch.from_numpy(data), qtype, out)
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype, blocks)
@@ -173,7 +187,7 @@ def test_wide_rows_in_panels_and_token_groups(kernel: Any, qtype: int) -> None:
     gen = torch.Generator().manual_seed(qtype + 7)
     for tokens in (33, 80):
         x = torch.randn(tokens, cols, generator=gen)
-        want, scale = reference(data, qtype, x)
+        want, scale = reference(data, qtype, x, kernel)
         out = torch.empty(tokens, rows)
         kernel.qmatmul(x, torch.from_numpy(data), qtype, out)
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, qtype)
@@ -192,7 +206,7 @@ def test_large_outputs_streamed_past_the_caches(kernel: Any, qtype: int) -> None
     blocks = random_blocks(qtype, rows, cols, seed=qtype + 11)
     gen = torch.Generator().manual_seed(qtype + 11)
     x = torch.randn(tokens, cols, generator=gen)
-    want, scale = reference(blocks, qtype, x)
+    want, scale = reference(blocks, qtype, x, kernel)
     whole = torch.empty(tokens, rows)
     wide = torch.full((tokens, rows + 32), float("nan"))
     view = wide[:, 16 : 16 + rows]  # starts on a line (16 floats in), stride 4,144 floats
@@ -212,10 +226,30 @@ def test_bf16_weights_on_and_off_a_cache_line(kernel: Any, offset: int) -> None:
     gen = torch.Generator().manual_seed(31)
     for tokens in (5, 40):
         x = torch.randn(tokens, cols, generator=gen)
-        want, scale = reference(blocks, 30, x)
+        want, scale = reference(blocks, 30, x, kernel)
         out = torch.empty(tokens, rows)
         kernel.qmatmul(x, weight, 30, out)
         assert (out - want).abs().le(REL_TOL * scale + 1e-6).all(), (tokens, offset)
+
+
+def test_amx_rounds_the_tokens_for_bf16_weights_only(kernel: Any) -> None:
+    # 1 + 2^-10 is no bf16 value (8-bit mantissa): rounded to nearest even it is 1. A bf16
+    # weight of ones on the AMX tiles then sums exactly K; a Q8_0 weight keeps the split.
+    if not rounds_tokens(kernel, quant_cpu.BF16, 16):
+        pytest.skip("no AMX path in this build or on this CPU")
+    rows, cols = 32, 64
+    x = torch.full((16, cols), 1 + 2**-10)
+    for qtype in (quant_cpu.BF16, 8):
+        blocks = gguf.quants.quantize(
+            np.ones((rows, cols), dtype=np.float32), gguf.GGMLQuantizationType(qtype)
+        )
+        out = torch.empty(16, rows)
+        kernel.qmatmul(x, torch.from_numpy(blocks), qtype, out)
+        want, scale = reference(blocks, qtype, x)  # x as it is
+        if qtype == quant_cpu.BF16:
+            assert out.eq(cols).all()
+        else:
+            assert (out - want).abs().le(REL_TOL * scale).all()
 
 
 def test_bad_arguments_are_refused(kernel: Any) -> None:

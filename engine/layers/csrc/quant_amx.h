@@ -5,11 +5,12 @@
 // Precision: bf16 has an 8-bit mantissa, so each operand is split into a high and a low
 // bf16 part (v = hi + lo, exact to about 2^-17 of |v|) and each tile product takes the
 // three terms that matter, x_hi w_hi + x_hi w_lo + x_lo w_hi, accumulated in float32 by
-// the tiles (two for bf16 weights, which are their own high part: w_lo is zero). The dropped x_lo w_lo and the split's residue bound each output's error by
+// the tiles. The dropped x_lo w_lo and the split's residue bound each output's error by
 // about 1.1e-5 of the sum of |w x| over its row; measured on random blocks, 3e-6 (float32
 // summation: 1e-6), and tests/unit/test_quant_cpu.py holds both paths to 1e-5. That is
 // far below the block quantization's own error, but not float32's: --dtype float32 (or
-// HISERVE_PACKED_AMX=0) is the exact mode.
+// HISERVE_PACKED_AMX=0) is the exact mode. bf16 weights are their own high part (w_lo is
+// zero), and they take the tokens rounded to bf16 (rounds_tokens): one tile product.
 //
 // Layout, per thread and chunk of 32 weight rows: the rows are dequantized (the same
 // unpack_unit as the register path) into hi and lo bf16 rows, which are the A tiles as they
@@ -50,7 +51,7 @@
 namespace hiserve_quant {
 
 constexpr int kAmxRows = 32;  // weight rows per chunk: two A tiles of 16
-constexpr int64_t kSliceK = 128;  // K per pass over the tokens: 16 KB of weight tiles (L1)
+constexpr int64_t kSliceK = 256;  // K per pass over the tokens: 16 KB of weight tiles (L1)
 constexpr int64_t kTokenGroupBytes = 512 * 1024;  // tokens' tiles per pass (hi + lo, L2)
 constexpr int64_t kRowPanelBytes = 1024 * 1024;   // weight rows' tiles per pass (hi + lo, L2)
 constexpr int64_t kStreamOutputBytes = 4 << 20;   // outputs from here on bypass the caches
@@ -144,13 +145,25 @@ HISERVE_AMX_TARGET inline void pack_rows(const uint8_t* w, int64_t row_bytes, in
   }
 }
 
+// bf16 weights multiply tokens rounded to bf16: one tile product a value, as oneDNN's bf16
+// matmul (vLLM's bf16 on CPUs) does, with float32 sums and outputs still. Norms, residuals
+// and attention stay float32, so this rounds only what enters a product; measured on the
+// parity prompts and five more texts (1,118 positions, teacher-forced, HF float32's
+// greedy continuation), top-1 agreement with HF float32 is the split's, 1,114 of 1,118,
+// and the largest logit error 0.54 against 0.29 (2026-12-06). The packed block types keep
+// the split of the tokens too (their parity is with the dequantized float32 model).
+template <int Q>
+constexpr bool rounds_tokens() {
+  return Q == kBF16;
+}
+
 // Token blocks x K slice of one chunk of 32 rows: the results of token blocks [mb0, mb1)
 // accumulate in c ([token block - mb0][row block][16 rows][16 tokens]) across K slices.
 // The chunk's second row block starts ``second`` values after its first (ah and al).
 // Two token blocks at a time: four accumulators (2 row blocks x 2 token blocks), so four
 // independent tile products are in flight, each after one tile load. The three terms are
 // three passes over the slice: hi x hi, lo x hi, hi x lo; ``exact_weights`` (bf16
-// weights, whose low part is zero) skips the second.
+// weights, whose low part is zero) skips the second, rounded tokens (``xl`` null) the third.
 HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
                                          const uint16_t* xh, const uint16_t* xl,
                                          int64_t second, int64_t k_len, int64_t k0,
@@ -175,7 +188,7 @@ HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
       }
     }
     for (int term = 0; term < 3; ++term) {
-      if (term == 1 && exact_weights) continue;
+      if ((term == 1 && exact_weights) || (term == 2 && xl == nullptr)) continue;
       const uint16_t* a = term == 1 ? al : ah;
       const uint16_t* b = (term == 2 ? xl : xh) + mb * (k_len / 2) * 32;
       for (int64_t k = k0; k < k1; k += 32) {
@@ -216,7 +229,9 @@ HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t
                                  int64_t ys, bool stream, bool swiglu) {
   const int64_t cols = swiglu ? 16 : kAmxRows;  // output columns per chunk
   const int64_t m_blocks = (m_len + 15) / 16;
-  const int64_t group = std::max<int64_t>(2, kTokenGroupBytes / (k_len * 4 * 16) / 2 * 2);
+  const int64_t token_bytes = rounds_tokens<Q>() ? 2 : 4;  // bf16 values a token's k takes
+  const int64_t group =
+      std::max<int64_t>(2, kTokenGroupBytes / (k_len * token_bytes * 16) / 2 * 2);
   const int64_t chunks = (n_end - n_begin + cols - 1) / cols;
   const int64_t chunk_elems = kAmxRows * k_len;  // bf16 values of one chunk's hi (or lo) tiles
   const int64_t panel = std::clamp<int64_t>(kRowPanelBytes / (chunk_elems * 4), 1, chunks);
@@ -283,17 +298,18 @@ void amx_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w,
                 int64_t row_bytes, int64_t n_len, int64_t k_len, float* y, int64_t ys,
                 bool swiglu = false) {
   const int64_t m_pad = (m_len + 15) / 16 * 16;
-  LineBuffer<uint16_t> xh(m_pad * k_len), xl(m_pad * k_len);
+  LineBuffer<uint16_t> xh(m_pad * k_len), xl(rounds_tokens<Q>() ? 0 : m_pad * k_len);
+  uint16_t* const lo = rounds_tokens<Q>() ? nullptr : xl.data;
   // NOTE: the lambdas only call: code in them is not built for the AMX target.
   at::parallel_for(0, m_pad / 16, 1, [&](int64_t begin, int64_t end) {
-    pack_tokens(x, xs, m_len, k_len, begin, end, xh.data, xl.data);
+    pack_tokens(x, xs, m_len, k_len, begin, end, xh.data, lo);
   });
   const int64_t cols = swiglu ? 16 : kAmxRows;
   const int64_t chunks = (n_len + cols - 1) / cols;
   const bool stream = m_len * n_len * 4 >= kStreamOutputBytes && ys % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(y) % 64 == 0;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    amx_rows<Q>(xh.data, xl.data, m_len, w, row_bytes, begin * cols,
+    amx_rows<Q>(xh.data, lo, m_len, w, row_bytes, begin * cols,
                 std::min(end * cols, n_len), n_len, k_len, y, ys, stream, swiglu);
   });
 }
