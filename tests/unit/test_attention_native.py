@@ -69,18 +69,24 @@ def test_decode_matches_torch_backend(kernel, kv_heads: int, group: int, lens: l
 
 # 64 and 128 take the AVX-512 path (where the CPU has it); lengths around its 16-wide tail.
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
-@pytest.mark.parametrize(("kv_heads", "group"), [(3, 3), (1, 1), (2, 4)])
+# Group 7: the AVX-512 path takes query heads 3 (2 at head_dim 128) at a time for the
+# scores and 4 (2) for the values, so 7 leaves a partial pass of each; lengths cross its
+# blocks of 8 and 32 tokens.
+@pytest.mark.parametrize(("kv_heads", "group"), [(3, 3), (1, 1), (2, 4), (1, 7)])
 def test_decode_matches_torch_backend_at_model_head_dims(
     kernel, head_dim: int, kv_heads: int, group: int
 ) -> None:
-    lens = [1, 15, 16, 17, 33, 120]
+    lens = [1, 15, 16, 17, 33, 70, 120]
     pool, meta, q = decode_case(kv_heads, group, lens, seed=head_dim, head_dim=head_dim)
     q = 3 * q  # peakier softmax
     native = CpuNativeAttentionBackend(kernel)
     for layer in range(pool.num_layers):
         want = TorchAttentionBackend()._decode(q, layer, meta, pool)
         got = native._decode(q, layer, meta, pool)
-        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+        # two float32 sums in different orders over up to 120 peaky weights (the portable
+        # path, head_dim 48, came to 2.05e-6 at 70 tokens); a wrong weight or row is off
+        # by far more
+        torch.testing.assert_close(got, want, atol=4e-6, rtol=1e-5)
 
 
 # Fewer sequences than threads: each sequence's tokens are split into parts of at least

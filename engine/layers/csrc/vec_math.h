@@ -45,4 +45,29 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
 }
+
+// The sums of the 16 lanes of each of a[0..7], in order: three rounds of pairwise adds
+// across registers instead of eight separate reductions.
+static inline __m256 sum_lanes8(const __m512 a[8]) {
+  __m512 p[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: a2i 0+2, a2i+1 0+2, a2i 1+3, a2i+1 1+3
+    p[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  // per 128-bit lane l: lane l's sums of a0..a3 (q0) and of a4..a7 (q1)
+  const __m512 q0 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(
+                                      _mm512_castps_pd(p[0]), _mm512_castps_pd(p[1]))),
+                                  _mm512_castpd_ps(_mm512_unpackhi_pd(
+                                      _mm512_castps_pd(p[0]), _mm512_castps_pd(p[1]))));
+  const __m512 q1 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(
+                                      _mm512_castps_pd(p[2]), _mm512_castps_pd(p[3]))),
+                                  _mm512_castpd_ps(_mm512_unpackhi_pd(
+                                      _mm512_castps_pd(p[2]), _mm512_castps_pd(p[3]))));
+  // [q0 L0+L2, q0 L1+L3, q1 L0+L2, q1 L1+L3], then lanes 0+1 and 2+3
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(q0, q1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_castps512_ps256(w);
+}
 #endif
