@@ -65,7 +65,10 @@ def quant_kernel() -> Any | None:
             module.set_amx(False)
             logger.info("packed weights: batches on float32 tiles (%s=0)", AMX_SWITCH)
         elif module.AMX:
-            logger.info("packed weights: batches on AMX tiles (bf16 hi/lo split, float32 sums)")
+            logger.info(
+                "packed weights: batches on AMX tiles (float32 sums; GGUF blocks: bf16 hi/lo "
+                "split of weights and tokens; bf16 weights: tokens rounded to bf16)"
+            )
         else:
             logger.info("packed weights: batches on float32 tiles (no AMX on this CPU)")
     return module
