@@ -43,4 +43,6 @@ def test_the_bench_breaks_each_formats_step_down(
         assert floor > 0 and step > 0 and min(forward, linears, lm_head, sampling) > 0, name
         # each part runs inside every step, so its median is under the step's
         assert max(forward, lm_head, sampling) < step, name
-        assert rest == pytest.approx(step - forward - lm_head - sampling, abs=0.02), name
+        # five printed values, each rounded to 0.01: up to 0.025 apart (0.02 failed once,
+        # 0.28 against 0.26 in float arithmetic)
+        assert rest == pytest.approx(step - forward - lm_head - sampling, abs=0.03), name
