@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from engine.layers import quant_cpu
 from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
 from engine.layers.linear import FusedLinear
@@ -37,10 +38,13 @@ def _both_paths(
     """Greedy generation with the native decode step and without: identical logits
     (``pool``: the KV pool's dtype, --kv-cache-dtype)."""
     assert model.native_decode is not None
-    native = GreedyDriver(model, max_rows=4, max_context=96, dtype=pool).generate(prompts, tokens)
+    rows = max(4, len(prompts))
+    native = GreedyDriver(model, max_rows=rows, max_context=96, dtype=pool).generate(
+        prompts, tokens
+    )
     saved, model.native_decode = model.native_decode, None
     try:
-        python = GreedyDriver(model, max_rows=4, max_context=96, dtype=pool).generate(
+        python = GreedyDriver(model, max_rows=rows, max_context=96, dtype=pool).generate(
             prompts, tokens
         )
     finally:
@@ -67,6 +71,20 @@ def test_default_model_decodes_natively_with_the_python_layers_logits(
     prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (7, 19, 4)]
     _both_paths(packed_default, prompts, 12)  # three rows together
     _both_paths(packed_default, prompts[1:2], 12)  # one row: the 1-token matmul path
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_a_batch_past_the_register_path_decodes_natively_with_the_same_logits(
+    packed_default: Any,
+) -> None:
+    # 6 rows: more than GEMV_MAX_TOKENS, so on a CPU with AMX the matmuls take the tiles
+    # and the gate/up product applies SwiGLU in its own pass, in both paths (elsewhere the
+    # FMA tiles and a separate SwiGLU, in both paths).
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (5, 11, 3, 8, 2, 6)]
+    assert len(prompts) > quant_cpu.quant_kernel().GEMV_MAX_TOKENS
+    _both_paths(packed_default, prompts, 8)
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 // layers are packed (qmatmul), as one native call.
 //
 // Why: at decode a layer is ~10 small native calls (RMSNorm, the packed matmuls, RoPE,
-// the K/V store, attention, SwiGLU) and ~25 Python-level tensor operations between them;
-// for the default model that Python came to ~1.5 ms of a ~7 ms single-stream step. Here
+// the K/V store, attention, SwiGLU: on AMX in the gate/up product's pass, as GatedMLP's)
+// and ~25 Python-level tensor operations between them; for the default model that Python came to ~1.5 ms of a ~7 ms single-stream step. Here
 // the same kernels run in the same order on the same tensors (at::rms_norm for the first
 // norm as F.rms_norm, fused_ops.h, paged_attention.h, qmatmul), so the hidden states
 // equal LlamaForCausalLM.forward's bit for bit (engine/models/native_decode.py checks
@@ -27,6 +27,10 @@
 // out[M, N] = x[M, K] @ dequant(weight)^T (quant_cpu.cpp).
 void qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t qtype,
              torch::Tensor out);
+// out[M, N / 2] = silu(x @ gate^T) * (x @ up^T) for weight = [gate; up] in one pass over
+// the AMX tiles; false (nothing written) where qmatmul would not take them (quant_cpu.cpp).
+bool qmatmul_swiglu(const torch::Tensor& x, const torch::Tensor& weight, int64_t qtype,
+                    torch::Tensor out);
 
 namespace hiserve_decode {
 
@@ -56,6 +60,17 @@ class PackedLinear {
       qmatmul(x, data, qtype, out.narrow(1, start, data.size(0)));
     }
     if (bias_) out.add_(*bias_);
+    return out;
+  }
+
+  // For a [gate; up] weight of one segment and no bias: silu(gate) * up in the product's
+  // own pass, as PackedWeight.swiglu (the same bits as multiplying, then silu_mul); none
+  // where that pass is not taken.
+  std::optional<torch::Tensor> swiglu(const torch::Tensor& x) const {
+    if (segments_.size() != 1 || bias_) return std::nullopt;
+    const auto& [start, data, qtype] = segments_.front();
+    auto out = torch::empty({x.size(0), out_features_ / 2}, x.options());
+    if (!qmatmul_swiglu(x, data, qtype, out)) return std::nullopt;
     return out;
   }
 
@@ -127,7 +142,8 @@ class DecodeLayers {
           hiserve_fused::add_rms_norm(layer.o(attn.view({batch, q_heads_ * head_dim_})),
                                       residual, layer.post_attention_norm.first,
                                       layer.post_attention_norm.second);
-      x = layer.down(hiserve_fused::silu_mul(layer.gate_up(normed)));
+      auto act = layer.gate_up.swiglu(normed);
+      x = layer.down(act ? *act : hiserve_fused::silu_mul(layer.gate_up(normed)));
     }
     if (layers == 0) return at::rms_norm(x, {x.size(1)}, final_norm_.first, final_norm_.second);
     return std::get<0>(
