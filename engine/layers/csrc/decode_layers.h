@@ -3,11 +3,12 @@
 //
 // Why: at decode a layer is ~10 small native calls (RMSNorm, the packed matmuls, RoPE,
 // the K/V store, attention, SwiGLU: on AMX in the gate/up product's pass, as GatedMLP's)
-// and ~25 Python-level tensor operations between them; for the default model that Python came to ~1.5 ms of a ~7 ms single-stream step. Here
-// the same kernels run in the same order on the same tensors (at::rms_norm for the first
-// norm as F.rms_norm, fused_ops.h, paged_attention.h, qmatmul), so the hidden states
-// equal LlamaForCausalLM.forward's bit for bit (engine/models/native_decode.py checks
-// which models qualify and calls it; tests/unit/test_native_decode.py compares them).
+// and ~25 Python-level tensor operations between them; for the default model that Python
+// came to ~1.5 ms of a ~7 ms single-stream step. Here the same kernels run in the same
+// order on the same tensors (at::rms_norm for the first norm as F.rms_norm, fused_ops.h,
+// paged_attention.h, qmatmul), so the hidden states equal LlamaForCausalLM.forward's bit
+// for bit (engine/models/native_decode.py checks which models qualify and calls it;
+// tests/unit/test_native_decode.py compares them).
 //
 // Included by quant_cpu.cpp, which defines qmatmul and binds these classes; not built
 // alone.
@@ -31,6 +32,8 @@ void qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t qtype,
 // the AMX tiles; false (nothing written) where qmatmul would not take them (quant_cpu.cpp).
 bool qmatmul_swiglu(const torch::Tensor& x, const torch::Tensor& weight, int64_t qtype,
                     torch::Tensor out);
+// Whether qmatmul_swiglu's pass runs for a batch of ``tokens`` (quant_cpu.cpp).
+bool swiglu_pass_taken(int64_t tokens);
 
 namespace hiserve_decode {
 
@@ -67,7 +70,8 @@ class PackedLinear {
   // own pass, as PackedWeight.swiglu (the same bits as multiplying, then silu_mul); none
   // where that pass is not taken.
   std::optional<torch::Tensor> swiglu(const torch::Tensor& x) const {
-    if (segments_.size() != 1 || bias_) return std::nullopt;
+    // NOTE: asked first, so a single stream's step allocates no output it would not use
+    if (segments_.size() != 1 || bias_ || !swiglu_pass_taken(x.size(0))) return std::nullopt;
     const auto& [start, data, qtype] = segments_.front();
     auto out = torch::empty({x.size(0), out_features_ / 2}, x.options());
     if (!qmatmul_swiglu(x, data, qtype, out)) return std::nullopt;

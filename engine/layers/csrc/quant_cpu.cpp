@@ -194,6 +194,17 @@ void qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t qtype,
                 k_len, out);
 }
 
+// Whether qmatmul_swiglu's pass runs for a batch of ``tokens``: where qmatmul takes the AMX
+// path (more than GEMV_MAX_TOKENS tokens, AMX present and on).
+bool swiglu_pass_taken(int64_t tokens) {
+#if defined(HISERVE_HAVE_AMX)
+  return tokens > kGemvMax && amx_available() && amx_enabled().load();
+#else
+  (void)tokens;
+  return false;
+#endif
+}
+
 // out [M, I] = silu(x @ gate^T) * (x @ up^T) for weight = [gate; up], [2I, row_bytes], in
 // one pass over the AMX tiles. Returns false, having written nothing, where qmatmul would
 // not take the AMX path (GEMV_MAX_TOKENS tokens or fewer, no AMX): multiply, then SwiGLU.
@@ -208,7 +219,7 @@ bool qmatmul_swiglu(const torch::Tensor& x, const torch::Tensor& weight, int64_t
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == half && out.stride(1) == 1,
               "out must be [M, I] with unit column stride");
 #if defined(HISERVE_HAVE_AMX)
-  if (x.size(0) <= kGemvMax || !amx_available() || !amx_enabled().load()) return false;
+  if (!swiglu_pass_taken(x.size(0))) return false;
   const auto xc = x.is_contiguous() ? x : x.contiguous();
   if (half > 0)
     dispatch<RunSwiglu>(static_cast<int>(qtype), xc, weight.data_ptr<uint8_t>(), weight.size(1),
