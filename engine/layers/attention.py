@@ -200,9 +200,11 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
-    """TorchAttentionBackend with decode done by a native kernel that reads K/V in place
-    from the paged pool (engine/layers/csrc/paged_attention.h): no padded gather per
-    layer. float32 on the CPU only; extend/prefill stays on SDPA."""
+    """TorchAttentionBackend with native kernels: decode reads K/V in place from the
+    paged pool (engine/layers/csrc/paged_attention.h), no padded gather per layer; extend
+    and prefill attend every sequence of the step in one call (prefill_attention.h), or on
+    SDPA per sequence where that kernel does not take the head_dim. float32 on the CPU
+    only."""
 
     name = "cpu_native"
     decode_reads_pool_in_place = True
@@ -255,6 +257,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         kv_pool: DeviceKVPool,
         skip: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            return super()._extend(q, k, v, layer_id, meta, kv_pool, skip)
         # A one-token extend after a cached prefix (the copies of an n > 1 request, a
         # prompt found in the tree but for its last token) is a decode: the native kernel
         # takes them all in one call instead of a gather and an SDPA call each per layer.
@@ -263,10 +267,11 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             for b, (n, prefix) in enumerate(zip(meta.extend_lens_list, meta.prefix_lens_list))
             if n == 1 and prefix > 0 and b not in skip
         ]
-        if not singles or q.dtype != torch.float32 or q.device.type != "cpu":
-            return super()._extend(q, k, v, layer_id, meta, kv_pool, skip)
         if len(singles) == meta.batch_size:
             return self._decode(q, layer_id, meta, kv_pool)
+        out = self._extend_rest(q, k, v, layer_id, meta, kv_pool, skip | frozenset(singles))
+        if not singles:
+            return out
         tokens = meta.cache.get("single_tokens")
         if tokens is None:
             starts = [0]
@@ -277,7 +282,6 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             meta.cache["single_tokens"] = tokens
             meta.cache["single_rows"] = meta.req_rows.index_select(0, seqs)
             meta.cache["single_lens"] = meta.seq_lens.index_select(0, seqs)
-        out = super()._extend(q, k, v, layer_id, meta, kv_pool, skip | frozenset(singles))
         head_dim = q.shape[2]
         decoded = self.kernel.paged_decode(
             q.index_select(0, tokens),
@@ -289,6 +293,43 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             head_dim**-0.5,
         )  # [singles, q_heads, head_dim]
         out.index_copy_(0, tokens, decoded.view(len(singles), -1))
+        return out
+
+    def _extend_rest(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        meta: AttentionMetadata,
+        kv_pool: DeviceKVPool,
+        skip: frozenset[int],
+    ) -> torch.Tensor:
+        """Extend attention of every sequence not in ``skip``: the native prefill kernel
+        (prefill_attention.h) where it takes the head_dim, else SDPA per sequence."""
+        num_tokens, q_heads, head_dim = q.shape
+        if not self.kernel.prefill_takes(head_dim):
+            return super()._extend(q, k, v, layer_id, meta, kv_pool, skip)
+        seqs = [b for b in range(meta.batch_size) if b not in skip]
+        out = torch.empty(num_tokens, q_heads * head_dim, dtype=q.dtype, device=q.device)
+        if not seqs:
+            return out
+        rows = meta.req_rows_list or meta.req_rows.tolist()
+        self.kernel.prefill_attention(
+            *(
+                x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous()
+                for x in (q, k, v)
+            ),
+            kv_pool.k_buffers[layer_id],
+            kv_pool.v_buffers[layer_id],
+            meta.req_table,
+            rows,
+            meta.prefix_lens_list,
+            meta.extend_lens_list,
+            seqs,
+            head_dim**-0.5,
+            out,
+        )
         return out
 
 

@@ -171,13 +171,41 @@ def test_split_is_built_once_and_slices_the_batch() -> None:
     assert not decode.kv_loads and not extend.kv_loads
 
 
-def test_one_token_chunks_after_a_prefix_take_the_native_decode_kernel() -> None:
+class SpyKernel:
+    """The native module with its calls recorded; ``takes`` stands for prefill_takes."""
+
+    def __init__(self, module: Any, takes: bool = True) -> None:
+        self.module, self.takes = module, takes
+        self.calls: list[tuple[str, Any]] = []
+
+    def store_kv(self, *args: Any) -> None:
+        self.module.store_kv(*args)
+
+    def prefill_takes(self, head_dim: int) -> bool:
+        return self.takes and self.module.prefill_takes(head_dim)
+
+    def paged_decode(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.calls.append(("decode", q.shape[0]))
+        return self.module.paged_decode(q, *args)
+
+    def prefill_attention(self, *args: Any) -> None:
+        self.calls.append(("prefill", list(args[9])))  # the sequences it computes
+        self.module.prefill_attention(*args)
+
+
+@pytest.mark.parametrize("native_prefill", [True, False], ids=["prefill kernel", "SDPA"])
+def test_one_token_chunks_after_a_prefix_take_the_native_decode_kernel(
+    native_prefill: bool,
+) -> None:
     # The copies of an n=128 request each compute one token after the shared prompt: per
     # sequence SDPA calls (a gather each, per layer) made that attack cost the canary
-    # seconds. The native backend must run them as one decode call; only the longer
-    # chunk still goes through SDPA.
+    # seconds. The native backend must run them as one decode call; the longer chunk goes
+    # through the prefill kernel, or SDPA where that does not take the head_dim.
     pool, meta, q, k, v = mixed_case(2, 2, [], [(7, 1), (20, 1), (0, 5), (3, 1)], seed=3)
-    backend = backend_named("cpu_native")
+    module = cpu_kernels.paged_decode_kernel()
+    assert module is not None, cpu_kernels.build_error()
+    spy = SpyKernel(module, takes=native_prefill)
+    backend = CpuNativeAttentionBackend(spy)
     calls: list[int] = []
     original = backend._sdpa
 
@@ -188,4 +216,8 @@ def test_one_token_chunks_after_a_prefix_take_the_native_decode_kernel() -> None
     backend._sdpa = counting  # type: ignore[method-assign]
     got = backend.forward(q, k, v, 0, meta, pool)
     torch.testing.assert_close(got.double(), reference(pool, 0, meta, q), atol=1e-5, rtol=1e-5)
-    assert len(calls) == 1
+    assert ("decode", 3) in spy.calls
+    if native_prefill:
+        assert spy.calls == [("prefill", [2]), ("decode", 3)] and not calls
+    else:
+        assert spy.calls == [("decode", 3)] and len(calls) == 1

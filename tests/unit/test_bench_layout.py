@@ -17,6 +17,7 @@ MICRO = {
     "bookkeeping",
     "packed_gemv",
     "packed_matmul",
+    "prefill_attention",
 }
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {

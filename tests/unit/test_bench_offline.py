@@ -80,6 +80,23 @@ def test_fused_kernel_bench_runs_on_a_model(
     assert lines[2].strip().startswith("3 tokens:") and "per forward" in lines[2]
 
 
+def test_prefill_attention_bench_runs_on_a_model(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.micro import prefill_attention
+
+    prefill_attention.main(
+        ["--model", str(tiny_llama_dir), "--batches", "3x20", "2x9+30", "--rounds", "2"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and "heads 4, kv heads 2, head_dim 16" in lines[0]
+    for line, batch in zip(lines[2:], ["3x20", "2x9+30"]):
+        fields = line.split()
+        # The two paths agree, and each took a measurable time.
+        assert fields[0] == batch and float(fields[-1]) < 1e-5
+        assert float(fields[1]) > 0 and float(fields[2]) > 0
+
+
 def test_gemv_bench_runs_on_a_model(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

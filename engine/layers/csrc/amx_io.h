@@ -27,32 +27,6 @@ HISERVE_AMX_TARGET inline void split_bf16(__m512 v, __m256i& hi, __m256i& lo) {
   lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
 }
 
-// r[0..15], 16 rows of 16 dwords -> their transpose: within 128-bit lanes, then the lanes.
-HISERVE_AMX_TARGET inline void transpose16_epi32(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // u[4g + c], 128-bit lane l: column 4l + c of rows 4g..4g+3.
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i lo01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-    const __m512i hi01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i lo23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(lo01, hi01, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(lo01, hi01, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0xDD);
-  }
-}
-
 // Token blocks [b0, b1) of x [M, K] (row stride xs) -> hi and lo B tiles: for each block
 // of 16 tokens, K/2 rows of 16 (token) x 2 (k, k+1) bf16; tokens past M are zero. With
 // ``lo`` null the tokens are only rounded to bf16 (to nearest even) into ``hi``.

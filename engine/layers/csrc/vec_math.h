@@ -70,4 +70,36 @@ static inline __m256 sum_lanes8(const __m512 a[8]) {
                                  _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_castps512_ps256(w);
 }
+
+// r[0..15], 16 rows of 16 dwords -> their transpose: within 128-bit lanes, then the lanes.
+static inline void transpose16_epi32(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + c], 128-bit lane l: column 4l + c of rows 4g..4g+3.
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i lo01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i hi01 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i lo23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(lo01, hi01, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(lo01, hi01, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(lo23, hi23, 0xDD);
+  }
+}
+
+// The same for 16 rows of 16 floats.
+static inline void transpose16_ps(__m512 r[16]) {
+  __m512i* bits = reinterpret_cast<__m512i*>(r);
+  transpose16_epi32(bits);
+}
 #endif
