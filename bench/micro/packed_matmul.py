@@ -8,7 +8,10 @@ prefill sizes: milliseconds and TFLOPS per weight shape, beside torch's own bf16
 The default shapes are one layer of the default model (SmolLM2-135M: q/k/v, o, gate/up,
 down), summed on each type's last line. A last line per type times the gate/up weight
 (``--swiglu``, 2I x K) with SwiGLU applied apart (``qmatmul``, then the fused kernels'
-``silu_mul``) and in the product's own pass (``qmatmul_swiglu``, AMX only). ``torch bf16`` is ``F.linear`` on bf16 tokens and
+``silu_mul``) and in the product's own pass (``qmatmul_swiglu``, AMX only), and another
+the whole MLP (with a down weight of the same type, K x I): that pass then the down
+product, against ``qmatmul_swiglu_down``, whose SwiGLU result goes into the down
+product's token tiles instead of memory. ``torch bf16`` is ``F.linear`` on bf16 tokens and
 weights (oneDNN, bf16 out): one tile product per value where hiserve's float32 tokens
 take two (quant_amx.h), so it is a scale to read the figures against, not the same sum.
 """
@@ -84,6 +87,42 @@ def time_swiglu(
     return best_seconds(apart, rounds), one_pass
 
 
+def time_mlp(
+    kernel: Any, qtype: int, n: int, k: int, tokens: int, rounds: int
+) -> tuple[float, float] | None:
+    """Best seconds of ``qmatmul_swiglu`` then the down product (``[k, n / 2]``), and of
+    ``qmatmul_swiglu_down``; None where that does not take the AMX path or I is not a
+    whole number of the type's blocks."""
+    if (n // 2) % PACKED_TYPES[qtype][1]:
+        return None
+    gen = torch.Generator().manual_seed(n * k + qtype + 1)
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        if PACKED_TYPES[qtype][0] == "BF16":
+            return (
+                torch.randn(rows, cols, generator=gen)
+                .bfloat16()
+                .view(torch.uint8)
+                .reshape(rows, -1)
+            )
+        return random_weight(qtype, rows, cols, gen)
+
+    gate_up, down = weight(n, k), weight(k, n // 2)
+    x = torch.randn(tokens, k, generator=gen)
+    hidden, out = torch.empty(tokens, n // 2), torch.empty(tokens, k)
+    if not kernel.qmatmul_swiglu_down(x, gate_up, qtype, down, qtype, out):
+        return None
+
+    def apart() -> None:
+        kernel.qmatmul_swiglu(x, gate_up, qtype, hidden)
+        kernel.qmatmul(hidden, down, qtype, out)
+
+    tiles = best_seconds(
+        lambda: kernel.qmatmul_swiglu_down(x, gate_up, qtype, down, qtype, out), rounds
+    )
+    return best_seconds(apart, rounds), tiles
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     names = {name: q for q, (name, _, _) in PACKED_TYPES.items()}
@@ -123,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{name:6} {'SwiGLU':>11} {args.swiglu}: apart {apart * 1e3:.2f} ms, one pass {fused}"
         )
+        mlp = time_mlp(kernel, names[name], n, k, args.tokens, args.rounds)
+        through = "not on this path" if mlp is None else (
+            f"SwiGLU then down {mlp[0] * 1e3:.2f} ms, through the tiles {mlp[1] * 1e3:.2f} ms"
+        )  # fmt: skip
+        print(f"{name:6} {'MLP':>11} {args.swiglu}: {through}")
 
 
 if __name__ == "__main__":

@@ -202,6 +202,13 @@ class GatedMLP(nn.Module):
             # SwiGLU in the packed product's own pass where it can (AMX batches).
             # NOTE: apart, the [T, 2I] product was the largest tensor a prefill wrote and
             # read back (2026-12-06).
+            down = self.down_proj
+            # Its result straight into the down product's tiles, where that is a plain
+            # packed layer (a row-parallel one reduces its output in forward).
+            if type(down) is FusedLinear and down.packed is not None and down.bias is None:
+                out = packed.swiglu_down(x, down.packed)
+                if out is not None:
+                    return out
             fused = packed.swiglu(x)
             if fused is not None:
                 return self.down_proj.forward(fused)

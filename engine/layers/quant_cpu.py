@@ -202,6 +202,30 @@ class PackedWeight:
             return None
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def swiglu_down(self, x: torch.Tensor, down: PackedWeight) -> torch.Tensor | None:
+        """``down(silu(x @ gate^T) * (x @ up^T))`` for this ``[gate; up]`` weight, ``[T,
+        down.out_features]`` in ``x``'s dtype: the SwiGLU result goes from the AMX tiles
+        into ``down``'s token tiles (bf16, as ``down`` would round it) and never to memory
+        as float32. The same floats as ``swiglu`` then ``down.matmul``; None where this
+        pass is not taken (as ``swiglu``, or ``down`` of several types)."""
+        if self._kernel is None:
+            self.finish()
+        if down._kernel is None:
+            down.finish()
+        kernel: Any = self._kernel
+        if len(self._parts) != 1 or len(down._parts) != 1:
+            return None
+        if x.shape[0] <= kernel.GEMV_MAX_TOKENS or not kernel.AMX:
+            return None
+        ((_, gate_up),), ((_, down_part),) = self._parts.items(), down._parts.items()
+        x32 = x.float() if x.dtype != torch.float32 else x
+        out = torch.empty(x32.shape[0], down.out_features, dtype=torch.float32)
+        if not kernel.qmatmul_swiglu_down(
+            x32, gate_up.data, gate_up.qtype, down_part.data, down_part.qtype, out
+        ):
+            return None
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     def native_linear(self, kernel: Any, bias: torch.Tensor | None) -> Any:
         """This weight (and ``bias``) as the native module's ``PackedLinear``, which
         ``DecodeLayers`` multiplies by as ``matmul`` does (engine/models/native_decode.py)."""

@@ -136,12 +136,14 @@ def test_packed_matmul_bench_times_every_type_and_shape(
     from bench.micro import packed_matmul
 
     argv = ["--types", "BF16", "Q8_0", "--shapes", "64x256", "32x512", "--tokens", "40"]
-    packed_matmul.main([*argv, "--rounds", "1", "--swiglu", "96x64"])
+    packed_matmul.main([*argv, "--rounds", "1", "--swiglu", "128x64"])
     lines = capsys.readouterr().out.splitlines()
     assert "40 tokens" in lines[0]
-    swiglu = [line for line in lines if "SwiGLU" in line]
-    assert len(swiglu) == 2 and all("96x64: apart" in line for line in swiglu)
-    rows = [line.split() for line in lines[2:] if "SwiGLU" not in line]
+    swiglu = [line for line in lines if line.split()[1] == "SwiGLU"]
+    assert len(swiglu) == 2 and all("128x64: apart" in line for line in swiglu)
+    mlp = [line for line in lines if line.split()[1] == "MLP"]
+    assert len(mlp) == 2 and all("128x64: SwiGLU then down" in line for line in mlp)
+    rows = [line.split() for line in lines[2:] if line.split()[1] not in ("SwiGLU", "MLP")]
     assert [(r[0], r[1]) for r in rows] == [
         ("BF16", "64x256"),
         ("BF16", "32x512"),

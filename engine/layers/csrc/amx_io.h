@@ -118,6 +118,36 @@ HISERVE_AMX_TARGET inline void store_swiglu(const float* c, int64_t toks, int64_
   }
 }
 
+// A swiglu chunk's results for token block mb (c as in store_swiglu; 16 full columns,
+// n0 the first) straight into the next product's token tiles: th (and tl, the low parts,
+// unless null) in pack_tokens' layout for K = i_len, so silu(gate) * up never goes to
+// memory as float32. A column pair (k, k+1) of 16 tokens is one tile row of 16 dwords, the
+// two bf16 in each dword, rounded as pack_tokens rounds; the bits equal packing the
+// float32 result (tokens past M come out zero: their products are).
+HISERVE_AMX_TARGET inline void store_swiglu_tiles(const float* c, int64_t n0, int64_t i_len,
+                                                  int64_t mb, uint16_t* th, uint16_t* tl) {
+  const int64_t at = mb * (i_len / 2) * 32 + (n0 / 2) * 32;
+  const auto pair = [](__m256i a, __m256i b) {  // bf16 a[t] | b[t] << 16, per token
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(a),
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  };
+  for (int r = 0; r < 16; r += 2) {
+    const __m512 v0 = silu_mul16(_mm512_load_ps(c + r * 16), _mm512_load_ps(c + 256 + r * 16));
+    const __m512 v1 =
+        silu_mul16(_mm512_load_ps(c + (r + 1) * 16), _mm512_load_ps(c + 256 + (r + 1) * 16));
+    if (tl == nullptr) {
+      const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(v0), h1 = (__m256i)_mm512_cvtneps_pbh(v1);
+      _mm512_store_si512(th + at + (r / 2) * 32, pair(h0, h1));
+      continue;
+    }
+    __m256i h0, l0, h1, l1;
+    split_bf16(v0, h0, l0);
+    split_bf16(v1, h1, l1);
+    _mm512_store_si512(th + at + (r / 2) * 32, pair(h0, h1));
+    _mm512_store_si512(tl + at + (r / 2) * 32, pair(l0, l1));
+  }
+}
+
 }  // namespace hiserve_quant
 
 #endif

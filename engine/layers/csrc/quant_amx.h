@@ -230,12 +230,14 @@ HISERVE_AMX_TARGET inline void amx_slice(const uint16_t* ah, const uint16_t* al,
 // back from memory by each group: 48 tokens took 4x as long as 32.
 // ``swiglu``: W is [gate; up], 2 n_len rows, and y[M, n_len] = silu(x gate^T) * x up^T.
 // A chunk is then 16 columns: 16 gate rows and the 16 up rows n_len below them are its
-// two row blocks, so the [M, 2 n_len] product never goes to memory.
+// two row blocks, so the [M, 2 n_len] product never goes to memory. With ``th`` set, that
+// result goes to token tiles for a next product (store_swiglu_tiles), not to y.
 template <int Q>
 HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t m_len,
                                  const uint8_t* w, int64_t row_bytes, int64_t n_begin,
                                  int64_t n_end, int64_t n_len, int64_t k_len, float* y,
-                                 int64_t ys, bool stream, bool swiglu) {
+                                 int64_t ys, bool stream, bool swiglu, uint16_t* th,
+                                 uint16_t* tl) {
   const int64_t cols = swiglu ? 16 : kAmxRows;  // output columns per chunk
   const int64_t m_blocks = (m_len + 15) / 16;
   const int64_t token_bytes = rounds_tokens<Q>() ? 2 : 4;  // bf16 values a token's k takes
@@ -282,6 +284,10 @@ HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t
         for (int64_t mb = mb0; mb < mb1; ++mb) {
           const float* cb = c.data + (mb - mb0) * 512;  // [row block][row][token]
           const int64_t toks = std::min<int64_t>(16, m_len - mb * 16);
+          if (th != nullptr) {
+            store_swiglu_tiles(cb, n0, n_len, mb, th, tl);
+            continue;
+          }
           float* out = y + mb * 16 * ys + n0;
           if (swiglu) {
             store_swiglu(cb, toks, rows, out, ys, stream);
@@ -300,6 +306,36 @@ HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t
   _tile_release();
 }
 
+// Tokens already in tile layout (xh, and xl unless the weights round them), M of them:
+// y[M, N] (row stride ys) = x @ W^T, or with ``swiglu`` as amx_rows; with ``th`` the
+// swiglu result goes to token tiles for K = N instead of y.
+template <int Q>
+void amx_run(const uint16_t* xh, const uint16_t* xl, int64_t m_len, const uint8_t* w,
+             int64_t row_bytes, int64_t n_len, int64_t k_len, float* y, int64_t ys,
+             bool swiglu, uint16_t* th = nullptr, uint16_t* tl = nullptr) {
+  const int64_t cols = swiglu ? 16 : kAmxRows;
+  const int64_t chunks = (n_len + cols - 1) / cols;
+  const bool stream = th == nullptr && m_len * n_len * 4 >= kStreamOutputBytes &&
+                      ys % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
+  // NOTE: the lambdas only call: code in them is not built for the AMX target.
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    amx_rows<Q>(xh, xl, m_len, w, row_bytes, begin * cols, std::min(end * cols, n_len), n_len,
+                k_len, y, ys, stream, swiglu, th, tl);
+  });
+}
+
+// Token tiles for x [M, K] (row stride xs): hi in xh, lo in xl unless the weights Q
+// round the tokens (then xl is left empty and null is returned for it).
+template <int Q>
+const uint16_t* amx_pack(const float* x, int64_t xs, int64_t m_len, int64_t k_len,
+                         LineBuffer<uint16_t>& xh, LineBuffer<uint16_t>& xl) {
+  uint16_t* const lo = rounds_tokens<Q>() ? nullptr : xl.data;
+  at::parallel_for(0, (m_len + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    pack_tokens(x, xs, m_len, k_len, begin, end, xh.data, lo);
+  });
+  return lo;
+}
+
 // y[M, N] (row stride ys) = x[M, K] (row stride xs) @ W^T on the tiles; K % 32 == 0.
 // ``swiglu``: W has 2N rows, [gate; up], and y = silu(x gate^T) * x up^T (amx_rows).
 template <int Q>
@@ -308,19 +344,8 @@ void amx_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w,
                 bool swiglu = false) {
   const int64_t m_pad = (m_len + 15) / 16 * 16;
   LineBuffer<uint16_t> xh(m_pad * k_len), xl(rounds_tokens<Q>() ? 0 : m_pad * k_len);
-  uint16_t* const lo = rounds_tokens<Q>() ? nullptr : xl.data;
-  // NOTE: the lambdas only call: code in them is not built for the AMX target.
-  at::parallel_for(0, m_pad / 16, 1, [&](int64_t begin, int64_t end) {
-    pack_tokens(x, xs, m_len, k_len, begin, end, xh.data, lo);
-  });
-  const int64_t cols = swiglu ? 16 : kAmxRows;
-  const int64_t chunks = (n_len + cols - 1) / cols;
-  const bool stream = m_len * n_len * 4 >= kStreamOutputBytes && ys % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(y) % 64 == 0;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    amx_rows<Q>(xh.data, lo, m_len, w, row_bytes, begin * cols,
-                std::min(end * cols, n_len), n_len, k_len, y, ys, stream, swiglu);
-  });
+  const uint16_t* lo = amx_pack<Q>(x, xs, m_len, k_len, xh, xl);
+  amx_run<Q>(xh.data, lo, m_len, w, row_bytes, n_len, k_len, y, ys, swiglu);
 }
 
 }  // namespace hiserve_quant

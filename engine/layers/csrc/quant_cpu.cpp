@@ -17,6 +17,8 @@
 //   into a float32 buffer (about 1 MB a chunk), then at::mm multiplies the chunk by all
 //   tokens, writing in place into the output's columns.
 // - qmatmul_swiglu: a [gate; up] weight's product and SwiGLU in one pass on AMX.
+// - qmatmul_swiglu_down: that pass writing the down product's token tiles, then the down
+//   product from them (the MLP of a batch on AMX, no float32 [M, I] in memory).
 // - dequantize: rows to float32 (the embedding lookup of a packed table, and tests).
 //
 // With AVX-512 the dequantize is vector code per unit of sub-blocks that share bytes
@@ -153,6 +155,34 @@ struct RunSwiglu {  // y [M, N] from a [gate; up] weight of 2N rows
                   y.data_ptr<float>(), y.stride(0), /*swiglu=*/true);
   }
 };
+
+// The SwiGLU result of a [gate; up] weight of 2I rows into token tiles (th, and tl unless
+// null) for a product with K = I.
+template <int Q>
+struct RunSwigluTiles {
+  void operator()(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t i_len,
+                  int64_t k, uint16_t* th, uint16_t* tl) const {
+    const int64_t m_pad = (x.size(0) + 15) / 16 * 16;
+    LineBuffer<uint16_t> xh(m_pad * k), xl(rounds_tokens<Q>() ? 0 : m_pad * k);
+    const uint16_t* lo = amx_pack<Q>(x.data_ptr<float>(), x.stride(0), x.size(0), k, xh, xl);
+    amx_run<Q>(xh.data, lo, x.size(0), w, row_bytes, i_len, k, nullptr, 0, true, th, tl);
+  }
+};
+
+// y [M, N] = tokens (tile layout, th and tl) @ W^T.
+template <int Q>
+struct RunTiles {
+  void operator()(const uint16_t* th, const uint16_t* tl, int64_t m, const uint8_t* w,
+                  int64_t row_bytes, int64_t n, int64_t k, torch::Tensor& y) const {
+    amx_run<Q>(th, rounds_tokens<Q>() ? nullptr : tl, m, w, row_bytes, n, k,
+               y.data_ptr<float>(), y.stride(0), false);
+  }
+};
+
+template <int Q>
+struct Rounds {
+  void operator()(bool& rounds) const { rounds = rounds_tokens<Q>(); }
+};
 #endif
 
 template <int Q>
@@ -230,6 +260,45 @@ bool qmatmul_swiglu(const torch::Tensor& x, const torch::Tensor& weight, int64_t
 #endif
 }
 
+// out [M, H] = (silu(x @ gate^T) * (x @ up^T)) @ down^T for gate_up = [gate; up] ([2I,
+// ..]) and down ([H, ..], K = I): the SwiGLU result goes from the tiles into the down
+// product's token tiles, bf16 as that product would round it (with the low part where
+// down's type keeps it), never to memory as float32. The same floats as qmatmul_swiglu,
+// then qmatmul. Returns false, having written nothing, where that pass is not taken (as
+// qmatmul_swiglu). I is a whole number of down's blocks, so a multiple of 32, as the
+// tiles need.
+bool qmatmul_swiglu_down(const torch::Tensor& x, const torch::Tensor& gate_up,
+                         int64_t gate_up_qtype, const torch::Tensor& down, int64_t down_qtype,
+                         torch::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x must be float32 CPU");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.dim(), " dims");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.dim() == 2, "out must be float32 [M, H]");
+  const int64_t k_len = x.size(1), i_len = gate_up.size(0) / 2, h_len = down.size(0);
+  check_weight(gate_up, gate_up_qtype, k_len);
+  TORCH_CHECK(gate_up.size(0) % 2 == 0, "a [gate; up] weight has an even number of rows");
+  check_weight(down, down_qtype, i_len);
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == h_len && out.stride(1) == 1,
+              "out must be [M, H] with unit column stride");
+#if defined(HISERVE_HAVE_AMX)
+  if (!swiglu_pass_taken(x.size(0))) return false;
+  if (i_len == 0) out.zero_();  // an empty sum
+  if (x.size(0) == 0 || i_len == 0 || h_len == 0) return true;
+  const auto xc = x.is_contiguous() ? x : x.contiguous();
+  bool rounds = false;
+  dispatch<Rounds>(static_cast<int>(down_qtype), rounds);
+  const int64_t m_pad = (x.size(0) + 15) / 16 * 16;
+  LineBuffer<uint16_t> th(m_pad * i_len), tl(rounds ? 0 : m_pad * i_len);
+  uint16_t* lo = rounds ? nullptr : tl.data;
+  dispatch<RunSwigluTiles>(static_cast<int>(gate_up_qtype), xc, gate_up.data_ptr<uint8_t>(),
+                           gate_up.size(1), i_len, k_len, th.data, lo);
+  dispatch<RunTiles>(static_cast<int>(down_qtype), th.data, lo, x.size(0),
+                     down.data_ptr<uint8_t>(), down.size(1), h_len, i_len, out);
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Rows of W as float32 [N, K].
 torch::Tensor dequantize(const torch::Tensor& weight, int64_t qtype, int64_t k_len) {
   check_weight(weight, qtype, k_len);
@@ -264,6 +333,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "a pure decode step through every layer -> the final norm's output [B, hidden]");
   m.def("qmatmul_swiglu", &qmatmul_swiglu,
         "out[M, I] = silu(x @ gate^T) * (x @ up^T), weight [gate; up]; false: not done here");
+  m.def("qmatmul_swiglu_down", &qmatmul_swiglu_down,
+        "out[M, H] = (silu(x @ gate^T) * (x @ up^T)) @ down^T, the SwiGLU result kept in "
+        "tiles; false where that pass is not taken");
   m.def("dequantize", &dequantize, "packed rows [N, row_bytes] -> float32 [N, K]");
   m.attr("GEMV_MAX_TOKENS") = kGemvMax;
 #if defined(HISERVE_HAVE_AMX)
