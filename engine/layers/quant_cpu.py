@@ -205,8 +205,8 @@ class PackedWeight:
     def swiglu_down(self, x: torch.Tensor, down: PackedWeight) -> torch.Tensor | None:
         """``down(silu(x @ gate^T) * (x @ up^T))`` for this ``[gate; up]`` weight, ``[T,
         down.out_features]`` in ``x``'s dtype: the SwiGLU result goes from the AMX tiles
-        into ``down``'s token tiles (bf16, as ``down`` would round it) and never to memory
-        as float32. The same floats as ``swiglu`` then ``down.matmul``; None where this
+        into ``down``'s token tiles (bf16, or high and low bf16 parts, as ``down``'s own
+        packing would make them) and never to memory as float32. The same floats as ``swiglu`` then ``down.matmul``; None where this
         pass is not taken (as ``swiglu``, or ``down`` of several types)."""
         if self._kernel is None:
             self.finish()
