@@ -185,19 +185,28 @@ class PackedWeight:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu(x @ gate^T) * (x @ up^T)`` for this ``[gate; up]`` weight, ``[T, out / 2]``
-        in ``x``'s dtype, in one pass over the AMX tiles (the ``[T, out]`` product never goes
-        to memory); None where that path is not taken (few tokens, no AMX, gate and up of
-        two types): the caller multiplies, then applies SwiGLU."""
+    def _batch_part(self, x: torch.Tensor) -> QuantTensor | None:
+        """This weight's one segment where a batch of ``x`` takes the AMX tiles (more
+        than GEMV_MAX_TOKENS tokens, AMX on); None otherwise or for several segments."""
         if self._kernel is None:
             self.finish()
         kernel: Any = self._kernel
         if len(self._parts) != 1 or x.shape[0] <= kernel.GEMV_MAX_TOKENS or not kernel.AMX:
             return None
         (part,) = self._parts.values()
+        return part
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(x @ gate^T) * (x @ up^T)`` for this ``[gate; up]`` weight, ``[T, out / 2]``
+        in ``x``'s dtype, in one pass over the AMX tiles (the ``[T, out]`` product never goes
+        to memory); None where that path is not taken (few tokens, no AMX, gate and up of
+        two types): the caller multiplies, then applies SwiGLU."""
+        part = self._batch_part(x)
+        if part is None:
+            return None
         x32 = x.float() if x.dtype != torch.float32 else x
         out = torch.empty(x32.shape[0], self.out_features // 2, dtype=torch.float32)
+        kernel: Any = self._kernel  # set by _batch_part
         if not kernel.qmatmul_swiglu(x32, part.data, part.qtype, out):
             return None
         return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -206,20 +215,15 @@ class PackedWeight:
         """``down(silu(x @ gate^T) * (x @ up^T))`` for this ``[gate; up]`` weight, ``[T,
         down.out_features]`` in ``x``'s dtype: the SwiGLU result goes from the AMX tiles
         into ``down``'s token tiles (bf16, or high and low bf16 parts, as ``down``'s own
-        packing would make them) and never to memory as float32. The same floats as ``swiglu`` then ``down.matmul``; None where this
-        pass is not taken (as ``swiglu``, or ``down`` of several types)."""
-        if self._kernel is None:
-            self.finish()
-        if down._kernel is None:
-            down.finish()
-        kernel: Any = self._kernel
-        if len(self._parts) != 1 or len(down._parts) != 1:
+        packing would make them) and never to memory as float32. The same floats as
+        ``swiglu`` then ``down.matmul``; None where this pass is not taken (as ``swiglu``,
+        or ``down`` of several types)."""
+        gate_up, down_part = self._batch_part(x), down._batch_part(x)
+        if gate_up is None or down_part is None:
             return None
-        if x.shape[0] <= kernel.GEMV_MAX_TOKENS or not kernel.AMX:
-            return None
-        ((_, gate_up),), ((_, down_part),) = self._parts.items(), down._parts.items()
         x32 = x.float() if x.dtype != torch.float32 else x
         out = torch.empty(x32.shape[0], down.out_features, dtype=torch.float32)
+        kernel: Any = self._kernel  # set by _batch_part
         if not kernel.qmatmul_swiglu_down(
             x32, gate_up.data, gate_up.qtype, down_part.data, down_part.qtype, out
         ):

@@ -28,11 +28,13 @@
 
 namespace hiserve_paged {
 
+constexpr int64_t kPrefillMaxDim = 256;  // the per-pass query and output scratch's bound
+
 // Whether prefill_attention takes heads of ``dim`` on this build: AVX-512, a multiple of
-// 16 up to 256.
+// 16 up to kPrefillMaxDim.
 inline bool prefill_takes(int64_t dim) {
 #if defined(__AVX512F__)
-  return dim > 0 && dim % 16 == 0 && dim <= 256;
+  return dim > 0 && dim % 16 == 0 && dim <= kPrefillMaxDim;
 #else
   (void)dim;
   return false;
@@ -45,7 +47,6 @@ namespace prefill_detail {
 constexpr int64_t kLanes = 16;      // query positions per pass: one vector lane each
 constexpr int64_t kKeys = 32;       // keys per softmax block
 constexpr int64_t kPositions = 64;  // query positions per work item
-constexpr int64_t kMaxDim = 256;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 struct Item {
@@ -95,8 +96,8 @@ void gather_keys(const Layout& in, const KV* k_cache, const KV* v_cache, const i
 inline void attend_lanes(const Layout& in, const float* kb, const float* vb, int64_t prefix,
                          int64_t first_new, int64_t qh, int64_t i0, int64_t n) {
   const int64_t dim = in.dim;
-  alignas(64) float qt[kMaxDim * kLanes];  // queries * scale, [D][lane]
-  alignas(64) float ot[kMaxDim * kLanes];  // unnormalized outputs, [D][lane]
+  alignas(64) float qt[kPrefillMaxDim * kLanes];  // queries * scale, [D][lane]
+  alignas(64) float ot[kPrefillMaxDim * kLanes];  // unnormalized outputs, [D][lane]
   alignas(64) float pr[kKeys * kLanes];    // a block's scores, then probabilities [key][lane]
   for (int64_t d0 = 0; d0 < dim; d0 += 16) {
     __m512 r[16];

@@ -337,15 +337,16 @@ const uint16_t* amx_pack(const float* x, int64_t xs, int64_t m_len, int64_t k_le
 }
 
 // y[M, N] (row stride ys) = x[M, K] (row stride xs) @ W^T on the tiles; K % 32 == 0.
-// ``swiglu``: W has 2N rows, [gate; up], and y = silu(x gate^T) * x up^T (amx_rows).
+// ``swiglu``: W has 2N rows, [gate; up], and y = silu(x gate^T) * x up^T (amx_rows);
+// with ``th`` that result goes to token tiles for K = N instead of y (amx_run).
 template <int Q>
 void amx_matmul(const float* x, int64_t xs, int64_t m_len, const uint8_t* w,
                 int64_t row_bytes, int64_t n_len, int64_t k_len, float* y, int64_t ys,
-                bool swiglu = false) {
+                bool swiglu = false, uint16_t* th = nullptr, uint16_t* tl = nullptr) {
   const int64_t m_pad = (m_len + 15) / 16 * 16;
   LineBuffer<uint16_t> xh(m_pad * k_len), xl(rounds_tokens<Q>() ? 0 : m_pad * k_len);
   const uint16_t* lo = amx_pack<Q>(x, xs, m_len, k_len, xh, xl);
-  amx_run<Q>(xh.data, lo, m_len, w, row_bytes, n_len, k_len, y, ys, swiglu);
+  amx_run<Q>(xh.data, lo, m_len, w, row_bytes, n_len, k_len, y, ys, swiglu, th, tl);
 }
 
 }  // namespace hiserve_quant

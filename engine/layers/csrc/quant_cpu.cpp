@@ -162,20 +162,17 @@ template <int Q>
 struct RunSwigluTiles {
   void operator()(const torch::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t i_len,
                   int64_t k, uint16_t* th, uint16_t* tl) const {
-    const int64_t m_pad = (x.size(0) + 15) / 16 * 16;
-    LineBuffer<uint16_t> xh(m_pad * k), xl(rounds_tokens<Q>() ? 0 : m_pad * k);
-    const uint16_t* lo = amx_pack<Q>(x.data_ptr<float>(), x.stride(0), x.size(0), k, xh, xl);
-    amx_run<Q>(xh.data, lo, x.size(0), w, row_bytes, i_len, k, nullptr, 0, true, th, tl);
+    amx_matmul<Q>(x.data_ptr<float>(), x.stride(0), x.size(0), w, row_bytes, i_len, k,
+                  nullptr, 0, /*swiglu=*/true, th, tl);
   }
 };
 
-// y [M, N] = tokens (tile layout, th and tl) @ W^T.
+// y [M, N] = tokens (tile layout: th, and tl unless Q rounds them) @ W^T.
 template <int Q>
 struct RunTiles {
   void operator()(const uint16_t* th, const uint16_t* tl, int64_t m, const uint8_t* w,
                   int64_t row_bytes, int64_t n, int64_t k, torch::Tensor& y) const {
-    amx_run<Q>(th, rounds_tokens<Q>() ? nullptr : tl, m, w, row_bytes, n, k,
-               y.data_ptr<float>(), y.stride(0), false);
+    amx_run<Q>(th, tl, m, w, row_bytes, n, k, y.data_ptr<float>(), y.stride(0), false);
   }
 };
 
