@@ -172,7 +172,8 @@ constexpr int64_t slice_k() {
 
 // The next chunk's bf16 weights (read where they lie), asked for while this chunk's tiles
 // run: lines [step * per, (step + 1) * per) of each of its (up to two) row blocks at K
-// step ``step`` of the first token pair.
+// step ``step`` of the first token pair. Only where the tokens are one group: a prefill's
+// groups pass over each chunk many times, which hides its loads' latency already.
 // NOTE: a tile load takes 16 rows 1,152 bytes apart (the default model's K), rows the
 // hardware prefetcher did not follow: at a decode batch of 32 the products waited on
 // those loads (three quarters of amx_rows' samples in `perf`), and the layers' bf16
@@ -301,8 +302,8 @@ HISERVE_AMX_TARGET void amx_rows(const uint16_t* xh, const uint16_t* xl, int64_t
                                   : wh.data + (ci - p0) * chunk_elems;
         const uint16_t* al = wl.data + (ci - p0) * chunk_elems;
         const int64_t second = (here && swiglu ? n_len : 16) * k_len;
-        Ahead ahead;
-        if (mb0 == 0 && ci + 1 < chunks && direct(n0 + cols)) {  // rows read where they lie
+        Ahead ahead;  // where the tokens pass over the weights once (a decode batch)
+        if (m_blocks <= group && ci + 1 < chunks && direct(n0 + cols)) {
           const char* next = reinterpret_cast<const char*>(w + (n0 + cols) * row_bytes);
           ahead.block[0] = next;
           ahead.block[1] = swiglu ? next + n_len * row_bytes : nullptr;
