@@ -1,4 +1,5 @@
-// Vector math shared by the CPU kernels in this directory (included, not built alone).
+// Vector math and memory hints shared by the CPU kernels in this directory (included,
+// not built alone).
 // NOTE: cpu_kernels.NativeExtension hashes every header here into each extension's name,
 // so a change to this file rebuilds the kernels that include it.
 #pragma once
