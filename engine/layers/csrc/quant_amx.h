@@ -177,8 +177,9 @@ constexpr int64_t slice_k() {
 // NOTE: a tile load takes 16 rows 1,152 bytes apart (the default model's K), rows the
 // hardware prefetcher did not follow: at a decode batch of 32 the products waited on
 // those loads (three quarters of amx_rows' samples in `perf`), and the layers' bf16
-// products read their weights at 15 GB/s. Asking for the next chunk: a decode step of
-// 32 sequences 29.3-30.7 -> 26.9 ms (2026-12-06).
+// products read their weights at 15 GB/s. Asking for the next chunk (into L2): a decode
+// step of 32 sequences 30.6-31.1 -> 27.5-28.1 ms (2026-12-06; into L1, or two chunks
+// ahead, no better).
 struct Ahead {
   const char* block[2] = {nullptr, nullptr};
   int64_t bytes = 0;  // of each block
