@@ -25,6 +25,7 @@ TOP = {
     "__main__",
     "client",
     "compare",
+    "decode_step",
     "fleet",
     "fleet_sim",
     "grammar",
