@@ -53,9 +53,7 @@ inline __m512 load_kv16(const bf16* p) {
 // ``slot``, which may lie anywhere in the pool.
 template <typename KV>
 inline void prefetch_row(const KV* data, int64_t slot, int64_t row_size) {
-  const char* row = reinterpret_cast<const char*>(data + slot * row_size);
-  const int64_t bytes = row_size * static_cast<int64_t>(sizeof(KV));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
+  prefetch_lines(data + slot * row_size, 0, row_size * static_cast<int64_t>(sizeof(KV)));
 }
 
 // k, v [T, Hkv, D] float32 (heads and dims contiguous, rows may be strided: views of the

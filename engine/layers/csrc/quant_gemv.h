@@ -51,7 +51,7 @@ inline void rows_in_registers(const float* x, int64_t xs, const uint8_t* w, int6
   for (int64_t run = 0; run < runs; ++run) {
     for (int r = 0; r < ahead_rows; ++r) {
       const char* p = ahead + r * row_bytes + run * run_bytes;
-      for (int64_t off = 0; off < run_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+      prefetch_lines(p, 0, run_bytes);
     }
     int count = 0;
     for (int r = 0; r < R; ++r) count = run_scales<Q>(rows[r], run, blocks, scales[r]);
@@ -100,9 +100,7 @@ void gemv_rows(const float* x, int64_t xs, const uint8_t* w, int64_t row_bytes, 
       __m256 acc0[M], acc1[M];
       for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
       for (int64_t bi = 0; bi < blocks; ++bi) {
-        if (ahead != nullptr)
-          for (int64_t off = bi * kBytes; off < (bi + 1) * kBytes; off += 64)
-            _mm_prefetch(ahead + off, _MM_HINT_T0);
+        if (ahead != nullptr) prefetch_lines(ahead, bi * kBytes, (bi + 1) * kBytes);
         for (int sub = 0; sub < kBlock / 32; ++sub) {
           __m256 v[4];
           dequant32_avx2<Q>(row + bi * kBytes, sub, v);
