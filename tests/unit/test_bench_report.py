@@ -138,7 +138,11 @@ async def _stream(
 @pytest.fixture
 def fake() -> Iterator[tuple[str, FakeState]]:
     state = FakeState()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # NOTE: proto named, as uvicorn's own bind does: asyncio sets TCP_NODELAY only on
+    # accepted sockets of proto IPPROTO_TCP. Without it, a request sent in two segments
+    # (aiohttp's headers, then its body, on a reused connection) got every streamed chunk
+    # ~40 ms late, all at once (Nagle against the client's delayed ACK).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(make_app(state), log_level="critical", lifespan="off")
     server = uvicorn.Server(config)
