@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from tokenizers import Tokenizer
 
 # Prompt tokens decoded in front of the first output token, so that tokenizers whose
 # decoder treats the start of a sequence specially (SentencePiece strips its leading
 # space) give the first output token the spacing it has inside the whole text.
 PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def decoder_of(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=...)`` gives it.
+
+    A fast HF tokenizer's decode is its Rust backend's, then an optional clean-up of
+    spaces; where no clean-up applies, the backend is called directly. NOTE: the HF
+    wrapper costs more than the decode itself (7.6 against 1.8 us a call, 2026-12-06), and
+    a streamed token takes two decodes, on the engine thread, inside every step."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", True
+    ):
+        backend_decode = backend.decode
+
+        def decode_fast(token_ids: list[int]) -> str:
+            return backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        return decode_fast
+
+    def decode(token_ids: list[int]) -> str:
+        text: str = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    return decode
 
 
 class IncrementalDetokenizer:
@@ -35,6 +63,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = decoder_of(tokenizer, skip_special_tokens)
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context)
         if context_text.endswith(REPLACEMENT_CHAR):
@@ -47,10 +76,7 @@ class IncrementalDetokenizer:
         self._prefix_text = context_text  # decode of [prefix_offset, read_offset)
 
     def _decode(self, token_ids: list[int]) -> str:
-        if not token_ids:
-            return ""
-        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        return text
+        return self._decode_ids(token_ids) if token_ids else ""
 
     def add(self, token_ids: list[int]) -> str:
         """Append output tokens; return the text they complete (may be empty)."""

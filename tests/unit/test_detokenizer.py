@@ -11,7 +11,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models
 
-from engine.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.detokenizer import IncrementalDetokenizer, StopChecker, decoder_of
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [
@@ -212,3 +212,38 @@ def test_holdback_examples() -> None:
     assert checker.holdback("") == 0
     assert StopChecker([]).holdback("abc") == 0
     assert StopChecker([]).check("abc", 0) is None
+
+
+# -- which decode runs ---------------------------------------------------------------
+
+
+def test_a_fast_tokenizer_is_decoded_by_its_backend(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = tokenizer.encode(TEXTS[2], add_special_tokens=False) + [tokenizer.eos_token_id]
+    want = {skip: tokenizer.decode(ids, skip_special_tokens=skip) for skip in (True, False)}
+    assert want[True] != want[False]
+
+    def wrapper_called(*args: Any, **kwargs: Any) -> str:
+        raise AssertionError("the HF wrapper's decode ran")
+
+    monkeypatch.setattr(tokenizer, "decode", wrapper_called)
+    for skip in (True, False):
+        assert decoder_of(tokenizer, skip)(ids) == want[skip]
+        detok = IncrementalDetokenizer(tokenizer, [], skip)
+        assert "".join(detok.add([t]) for t in ids) + detok.flush() == want[skip]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrappers_decode() -> None:
+    vocab = {"[UNK]": 0, "hello": 1, ".": 2, "world": 3, "!": 4}
+    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    backend.decoder = decoders.WordPiece(cleanup=False)  # the clean-up left to the wrapper
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    ids = [1, 2, 3, 4]
+    raw = backend.decode(ids)
+    cleaned = tok.decode(ids)
+    assert (raw, cleaned) == ("hello . world !", "hello. world!")
+    detok = IncrementalDetokenizer(tok, [])
+    assert "".join(detok.add([t]) for t in ids) + detok.flush() == cleaned
