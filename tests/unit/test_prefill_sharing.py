@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, SamplingParams
-from engine.prefill_sharing import common_prefix_len
+from engine.prefill_sharing import MIN_SHARED_TOKENS, common_prefix_len
 from engine.request import RequestOutput
 from tests.unit.cpu_engine import checked_engine
 from tests.unit.model_configs import random_prompts
@@ -145,6 +145,35 @@ def test_abort_of_the_request_waited_for_releases_the_waiters(
                 finals[out.request_id] = out
     _check_idle(engine)
     assert all(finals[i].token_ids == reference[tuple(prompt)] for i in later)
+
+
+def _first_batch_sizes(model_dir: Path, shared: int, own: int) -> list[int]:
+    """Four prompts of ``shared`` common then ``own`` distinct tokens, added at once:
+    the number of tokens each admitted request computes in the first prefill batch."""
+    (prefix,) = random_prompts([shared], seed=11)
+    suffixes = random_prompts([own] * 4, seed=12)
+    engine = _engine(model_dir)
+    for suffix in suffixes:
+        engine.add_request(prefix + suffix, GREEDY)
+    batch = engine.scheduler.schedule()
+    assert batch is not None and not batch.is_decode
+    return list(batch.extend_lens)
+
+
+@pytest.mark.parametrize(
+    ("shared", "own", "waits"),
+    [
+        (3, 120, False),  # a common first word: computing it again costs less than a step
+        (20, 12, True),  # most of each prompt (issue 13's burst): the copies wait
+        (40, 200, True),  # MIN_SHARED_TOKENS or more: worth a step whatever the rest
+    ],
+)
+def test_what_a_shared_start_is_worth_waiting_for(
+    tiny_llama_dir: Path, shared: int, own: int, waits: bool
+) -> None:
+    assert MIN_SHARED_TOKENS == 32
+    lens = _first_batch_sizes(tiny_llama_dir, shared, own)
+    assert lens == ([shared + own] if waits else [shared + own] * 4)
 
 
 def test_common_prefix_len() -> None:
