@@ -11,6 +11,7 @@ from engine.config import SchedulerConfig
 from engine.group_turns import GroupTurns
 from engine.kvcache.allocator import OutOfSlotsError
 from engine.kvcache.manager import KVCacheManager
+from engine.output_reserve import OutputReserve
 from engine.prefill_sharing import waits_for_in_flight
 from engine.request import Req, ReqStatus
 from engine.scheduled_batch import ScheduledBatch
@@ -34,9 +35,10 @@ class Scheduler:
     and fills the rest of ``max_prefill_tokens`` with prefill chunks (long prompts cut
     into chunks of ``chunked_prefill_size``), all in one forward. Without them prefill
     steps and decode steps alternate.
-    Admission counts free plus evictable KV and keeps ``new_token_ratio`` of the tokens
-    the running requests may still produce in reserve; if decode still runs out, the
-    requests that generated least are retracted and requeued.
+    Admission counts free plus evictable KV and keeps a share of the tokens the running
+    requests may still produce in reserve (``OutputReserve``: it shrinks while decode
+    goes well); if decode still runs out, the requests that generated least are
+    retracted and requeued.
     """
 
     def __init__(
@@ -44,7 +46,6 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         max_model_len: int,
-        new_token_ratio: float = 0.5,
         mixed: bool | None = None,
     ) -> None:
         self.config = config
@@ -53,7 +54,7 @@ class Scheduler:
         self.mixed = config.enable_mixed_batches is not False if mixed is None else mixed
         self.kv = kv
         self.max_model_len = max_model_len
-        self.new_token_ratio = new_token_ratio
+        self.reserve = OutputReserve()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, holding KV (prefill may be unfinished)
         self.num_retractions = 0
@@ -97,13 +98,21 @@ class Scheduler:
         return bool(self.running) or any(not r.reader_behind for r in self.waiting)
 
     # ------------------------------------------------------------------ policy
+    @property
+    def new_token_ratio(self) -> float:
+        """The share of running requests' remaining tokens kept back now."""
+        return self.reserve.ratio
+
+    @new_token_ratio.setter
+    def new_token_ratio(self, ratio: float) -> None:
+        self.reserve.fixed(ratio)  # a set share stays (tests that force retraction)
+
+    def _left(self, req: Req) -> int:
+        return min(req.remaining_tokens, self.max_model_len - req.seq_len)
+
     def _reserved_tokens(self) -> int:
         """KV kept back for the tokens running requests may still generate."""
-        total = 0
-        for r in self.running:
-            left = min(r.remaining_tokens, self.max_model_len - r.seq_len)
-            total += int(left * self.new_token_ratio)
-        return total
+        return sum(self.reserve.tokens(self._left(r)) for r in self.running)
 
     def _unlanded(self, req: Req) -> int:
         """Prompt tokens of a running request that are not in the tree yet (0 when its
@@ -139,6 +148,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batches
     def schedule(self) -> ScheduledBatch | None:
+        if not self.running:
+            self.reserve.idle()
         self._pause_unread()
         self._share_slots()
         batch = self._pick_batch()
@@ -290,9 +301,7 @@ class Scheduler:
             pending = req.seq_len - match.device_len
             n = min(pending, chunk_cap, budget)
             # KV for this chunk, plus a reserve for the rest of the prompt and its output.
-            future = (pending - n) + int(
-                min(req.remaining_tokens, self.max_model_len - req.seq_len) * self.new_token_ratio
-            )
+            future = (pending - n) + self.reserve.tokens(self._left(req))
             chunk_cost = self.kv.allocator.pages_for(n) * self.kv.page_size
             need = chunk_cost + future
             if need > available:
@@ -354,6 +363,10 @@ class Scheduler:
                 else:
                     self._retract(victim)
                     retracted.append(victim)
+        if retracted:
+            self.reserve.ran_out()
+        else:
+            self.reserve.decoded()
         if not order:
             return None
         return ScheduledBatch(
