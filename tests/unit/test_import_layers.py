@@ -50,6 +50,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.prefill_sharing": 2,
     "engine.scheduled_batch": 2,
     "engine.step_budget": 0,
+    "engine.output_reserve": 0,
     "engine.scheduler": 3,
     "engine.kv_setup": 3,
     "engine.models": 4,
