@@ -61,8 +61,6 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True
     ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
         self._decode_ids = decoder_of(tokenizer, skip_special_tokens)
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context)
