@@ -30,6 +30,7 @@ from server.protocol import (
 )
 from server.serving import Plan, check_request, make_plan, make_usage
 from server.sse import sse_event
+from server.text_event import TextEvent
 from server.tools.definitions import ToolPlan, tool_plan
 from server.tools.prompt import with_tools
 from server.tools.response import finish_tools, tool_calls_of
@@ -131,6 +132,7 @@ class ChatEndpoint(Endpoint):
         self.tools = ToolPlan([], "none")  # set by ``plan``, after the cheaper checks
         self.started: set[int] = set()  # choices whose role chunk went out
         self.tool_streams: dict[int, ToolStream] = {}
+        self.text_events: dict[int, TextEvent] = {}  # per choice: chunks of content alone
 
     async def plan(self, request: Request) -> Plan:
         req, client = self.req, self.client
@@ -196,6 +198,8 @@ class ChatEndpoint(Endpoint):
         )
 
     def deltas(self, plan: Plan, k: int, out: RequestOutput) -> list[str]:
+        if self._text_only(k, out):
+            return [self._text_event(plan, k)(out.new_text)] if out.new_text else []
         events = []
         if k not in self.started:
             self.started.add(k)
@@ -221,6 +225,27 @@ class ChatEndpoint(Endpoint):
 
     def usage_event(self, plan: Plan, usage: UsageInfo) -> str:
         return self._chunk(plan, [], usage)
+
+    def _text_only(self, k: int, out: RequestOutput) -> bool:
+        """Whether choice k's chunk for ``out`` carries its new content and nothing else,
+        as most do: no role (the first chunk's), no tool calls, logprobs or finish reason
+        (the last's)."""
+        return not (
+            k not in self.started
+            or out.finished
+            or self.tools.active
+            or (self.req.logprobs and out.new_logprobs)
+        )
+
+    def _text_event(self, plan: Plan, k: int) -> TextEvent:
+        event = self.text_events.get(k)
+        if event is None:
+            event = self.text_events[k] = TextEvent(
+                lambda text: self._chunk(
+                    plan, [ChatStreamChoice(index=k, delta=DeltaMessage(content=text))]
+                )
+            )
+        return event
 
     def _chunk(
         self, plan: Plan, choices: list[ChatStreamChoice], usage: UsageInfo | None = None

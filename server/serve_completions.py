@@ -31,6 +31,7 @@ from server.protocol import (
 )
 from server.serving import Plan, check_request, make_plan, make_usage
 from server.sse import sse_event
+from server.text_event import TextEvent
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -87,6 +88,7 @@ class CompletionEndpoint(Endpoint):
         self.started: set[int] = set()  # choices whose first chunk went out
         self.builders: dict[int, LogprobBuilder] = {}
         self.relay: ScoreRelay | None = None
+        self.text_events: dict[int, TextEvent] = {}  # per choice: chunks of text alone
 
     async def plan(self, request: Request) -> Plan:
         req, client = self.req, self.client
@@ -180,6 +182,8 @@ class CompletionEndpoint(Endpoint):
     def _chunk(self, plan: Plan, k: int, out: RequestOutput) -> str | None:
         req, client = self.req, self.client
         text, logprobs = out.new_text, None
+        if self._text_only(k, out):
+            return self._text_event(plan, k)(text) if text else None
         first = k not in self.started
         self.started.add(k)
         echo = self.echo_texts[k // plan.n] if req.echo and first else ""
@@ -203,10 +207,27 @@ class CompletionEndpoint(Endpoint):
             stop_reason=out.stop_reason if out.finished else None,
             prompt_logprobs=_vllm_scores(client, req, scored),
         )
-        model = client.served_model_name
+        return self._event(plan, choice)
+
+    def _text_only(self, k: int, out: RequestOutput) -> bool:
+        """Whether choice k's chunk for ``out`` carries its new text and nothing else, as
+        most do: no echo or scores (the first chunk's), no logprobs, no finish reason (the
+        last's)."""
+        return not (k not in self.started or out.finished or self.req.logprobs is not None)
+
+    def _event(self, plan: Plan, choice: CompletionChoice) -> str:
+        model = self.client.served_model_name
         return sse_event(
             CompletionChunk(id=plan.base_id, created=self.created, model=model, choices=[choice])
         )
+
+    def _text_event(self, plan: Plan, k: int) -> TextEvent:
+        event = self.text_events.get(k)
+        if event is None:
+            event = self.text_events[k] = TextEvent(
+                lambda text: self._event(plan, CompletionChoice(index=k, text=text))
+            )
+        return event
 
 
 def _prompt_items(req: CompletionRequest) -> list[str] | list[list[int]]:
