@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -29,12 +33,37 @@ def test_served_and_offline_runs_of_one_workload(
             "4",
             "--startup-timeout",
             "120",
+            "--rounds",
+            "2",
         ]
     )
     out = capsys.readouterr().out
-    assert "offline engine:" in out and "served (HTTP):" in out
+    rounds = re.findall(r"round (\d): offline +[\d.]+ output tok/s, served \(HTTP\) +[\d.]+", out)
+    assert rounds == ["1", "2"]
+    assert "served/offline, median of 2: " in out
     assert f"(goal >= {100 * http_cost.GOAL:.0f}%)" in out
+    assert re.search(r"server event-loop thread: [\d.]+ us of CPU per output token", out)
     assert "per-token serving work: detokenize" in out
+
+
+def test_each_round_has_its_own_prompts() -> None:
+    args = argparse.Namespace(seed=0, num_prompts=2, input_len=8, output_len=2)
+    first, second = (http_cost.make_workload(args, r) for r in range(2))
+    assert [r.prompt for r in first.requests] != [r.prompt for r in second.requests]
+    assert [r.prompt for r in first.requests] == [
+        r.prompt for r in http_cost.make_workload(args, 0).requests
+    ]
+
+
+def test_thread_cpu_reads_the_main_threads_time() -> None:
+    before = http_cost.thread_cpu_s(os.getpid())
+    assert before is not None
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # this (main) thread's own work
+        pass
+    after = http_cost.thread_cpu_s(os.getpid())
+    assert after is not None and after - before >= 0.2
+    assert http_cost.thread_cpu_s(2**22 + 12345) is None  # no such process
 
 
 def test_a_failed_served_run_is_not_reported_as_a_rate() -> None:
