@@ -24,7 +24,7 @@ def uvicorn_config(app: Any, args: ServerArgs) -> uvicorn.Config:
     period for in-flight responses, then cancels them; the lifespan then gives the engine
     the same grace (``AsyncEngine.shutdown``) before it aborts what is left.
 
-    Connections go through ``GuardedH11Protocol`` (caps, header and send deadlines)."""
+    Connections go through ``guarded_protocol`` (caps, header and send deadlines)."""
     limits = ConnectionLimits(
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,

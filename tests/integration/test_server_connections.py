@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
+from server import connections
 from server.__main__ import uvicorn_config
 from server.app import create_app
 from server.args import ServerArgs
@@ -27,6 +28,25 @@ from tests.integration.fake_engine import FakeEngine
 KEY = "conn-key"
 ATTACKER = "127.0.0.2"  # any 127.x address reaches the loopback listener
 SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+
+@pytest.fixture(autouse=True, params=["httptools", "h11"])
+def protocol(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both of uvicorn's protocols: httptools' (the default) and h11's (the
+    fallback where httptools is not installed)."""
+    if request.param == "h11":
+        monkeypatch.setattr(connections, "HttpToolsProtocol", None)
+    return str(request.param)
+
+
+def test_the_guard_is_over_the_chosen_protocol(protocol: str) -> None:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    cls = connections.guarded_protocol(connections.ConnectionLimits())
+    assert issubclass(cls, connections.ConnectionGuard)
+    assert issubclass(cls, HttpToolsProtocol if protocol == "httptools" else H11Protocol)
+    assert cls.__mro__.index(connections.ConnectionGuard) == 1  # its hooks come first
 
 
 @contextlib.contextmanager
@@ -88,6 +108,10 @@ class _Records(logging.Handler):
 def warnings_logged() -> Iterator[_Records]:
     records = _Records()
     target = logging.getLogger("hiserve.connections")
+    # A fresh repeat limit (the app installs one if none is there): an earlier test's
+    # warnings of the same kind would hold this test's back for the rest of the window.
+    for limit in [f for f in target.filters if isinstance(f, RepeatLimitFilter)]:
+        target.removeFilter(limit)
     target.addHandler(records)
     yield records
     target.removeHandler(records)
