@@ -73,7 +73,12 @@ class Sampler:
         if grammar_mask is not None:
             logits = self.apply_grammar(logits, reqs, grammar_mask)
         batch = len(reqs)
-        logits = apply_logit_bias(logits, reqs)  # the same tensor when no row has a bias
+        # NOTE: the logits are this step's own (nothing reads them after the sampler), so
+        # the bias goes into them in place, as the grammar mask does; a copy only where
+        # logprobs still need the raw ones (the copy was 6 MB and half a millisecond a
+        # step at a batch of 32 on the CPU, 2026-12-06).
+        keep_raw = logits is raw_logits and any(r.params.logprobs is not None for r in reqs)
+        logits = apply_logit_bias(logits, reqs, in_place=not keep_raw)
         fast = all(
             r.params.greedy
             and r.params.logprobs is None
@@ -198,8 +203,11 @@ class Sampler:
         return out
 
 
-def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
-    """``logits`` [B, V] plus each row's ``logit_bias``; the input is never modified.
+def apply_logit_bias(
+    logits: torch.Tensor, reqs: Sequence[Req], in_place: bool = False
+) -> torch.Tensor:
+    """``logits`` [B, V] plus each row's ``logit_bias``: added into ``logits`` itself with
+    ``in_place``, else into a copy (the input is not modified).
 
     NOTE: one host -> device upload for every biased row, and one scatter-add of the
     (row, token) pairs: O(entries), no [B, V] temporary beyond the copy. A -inf (a token
@@ -218,7 +226,8 @@ def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     # NOTE: float32 holds every row and token id exactly (vocabularies are far below 2**24).
     flat = upload([rows, list(token_ids), list(values)], logits.device, torch.float32)  # [3, N]
     index = flat[:2].long()  # [2, N]: batch row, token id
-    logits = logits.clone()  # [B, V]
+    if not in_place:
+        logits = logits.clone()  # [B, V]
     logits.index_put_((index[0], index[1]), flat[2], accumulate=True)
     return logits
 

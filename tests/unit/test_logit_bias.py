@@ -52,8 +52,24 @@ def test_plus_100_makes_greedy_pick_the_token() -> None:
     ]
     before = logits.clone()
     out = Sampler(VOCAB, CPU)(logits, reqs, [EOS])
-    assert out.token_ids == [weakest, int(logits[1].argmax()), int(logits[2].argmax())]
-    assert torch.equal(logits, before)  # the model's logits are not modified
+    assert out.token_ids == [weakest, int(before[1].argmax()), int(before[2].argmax())]
+
+
+def test_the_bias_goes_into_the_steps_logits_unless_logprobs_need_them() -> None:
+    logits = random_logits(2, seed=5)
+    before = logits.clone()
+    reqs = [make_req(temperature=0.0, logit_bias={7: 3.0}), make_req(temperature=0.0)]
+    Sampler(VOCAB, CPU)(logits, reqs, [EOS])
+    expected = before.clone()
+    expected[0, 7] += 3.0
+    assert torch.equal(logits, expected)  # written in place: no [B, V] copy
+    # A row that asks for logprobs: the raw logits stay as they were (they are read after).
+    logits = before.clone()
+    reqs = [make_req(temperature=0.0, logit_bias={7: 3.0}), make_req(temperature=0.0, logprobs=1)]
+    Sampler(VOCAB, CPU)(logits, reqs, [EOS])
+    assert torch.equal(logits, before)
+    biased = apply_logit_bias(logits, reqs, in_place=True)
+    assert biased.data_ptr() == logits.data_ptr() and torch.equal(biased, expected)
 
 
 def test_minus_100_on_the_argmax_makes_greedy_pick_the_second_best() -> None:
