@@ -149,7 +149,9 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "y[M, N] = x[M, K] @ weight[N, K]^T (+ bias), M <= 8, float32",
+  // Without the GIL, as torch's own ops (see quant_cpu.cpp).
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("gemv", &gemv, no_gil, "y[M, N] = x[M, K] @ weight[N, K]^T (+ bias), M <= 8, float32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.attr("MAX_TOKENS") = kMaxTokens;
 }

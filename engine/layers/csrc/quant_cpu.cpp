@@ -311,14 +311,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using hiserve_decode::DecodeLayers;
   using hiserve_decode::PackedLinear;
-  m.def("qmatmul", &qmatmul, "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, float32");
+  // NOTE: every kernel runs without the GIL, as torch's own ops do: a prefill's products
+  // take milliseconds each, during which the server's event loop and tokenizer threads
+  // would otherwise wait (they hold no tensor these touch).
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("qmatmul", &qmatmul, no_gil, "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, float32");
   // NOTE: module_local: a process may load two builds of this module (the tests load the
   // AVX2 build beside the native one), and pybind11 registers a global type once.
   py::class_<PackedLinear>(m, "PackedLinear", py::module_local())
       .def(py::init<int64_t, std::vector<hiserve_decode::Segment>, std::optional<torch::Tensor>>(),
            py::arg("out_features"), py::arg("segments"), py::arg("bias"),
            "a packed linear layer: (first row, blocks, ggml type) segments and a bias")
-      .def("__call__", &PackedLinear::operator(), "x [T, in] -> [T, out] float32");
+      .def("__call__", &PackedLinear::operator(), no_gil, "x [T, in] -> [T, out] float32");
   py::class_<DecodeLayers>(m, "DecodeLayers", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, hiserve_decode::Norm>(), py::arg("q_heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("final_norm"))
@@ -326,14 +330,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       // NOTE: the whole step runs without the GIL: the server's event loop and tokenizer
       // threads go on meanwhile (it touches tensors only).
-      .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>(),
+      .def("run", &DecodeLayers::run, no_gil,
            "a pure decode step through every layer -> the final norm's output [B, hidden]");
-  m.def("qmatmul_swiglu", &qmatmul_swiglu,
+  m.def("qmatmul_swiglu", &qmatmul_swiglu, no_gil,
         "out[M, I] = silu(x @ gate^T) * (x @ up^T), weight [gate; up]; false: not done here");
-  m.def("qmatmul_swiglu_down", &qmatmul_swiglu_down,
+  m.def("qmatmul_swiglu_down", &qmatmul_swiglu_down, no_gil,
         "out[M, H] = (silu(x @ gate^T) * (x @ up^T)) @ down^T, the SwiGLU result kept in "
         "tiles; false where that pass is not taken");
-  m.def("dequantize", &dequantize, "packed rows [N, row_bytes] -> float32 [N, K]");
+  m.def("dequantize", &dequantize, no_gil, "packed rows [N, row_bytes] -> float32 [N, K]");
   m.attr("GEMV_MAX_TOKENS") = kGemvMax;
 #if defined(HISERVE_HAVE_AMX)
   m.attr("AMX") = amx_available();
