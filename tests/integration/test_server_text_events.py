@@ -120,5 +120,7 @@ def test_text_only_chunks_take_the_template(
     monkeypatch.setattr(serve_chat, "TextEvent", pydantic_event)
     events = _stream(server.base_url, path, {"model": "fake-model", **body}).count("data: ")
     # All but each choice's first and last chunks, the usage and [DONE].
-    choices = body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1)
+    choices = body.get("n", 1) * (
+        len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+    )
     assert sum(m.calls for m in made) >= events - 3 * choices - 2 > 0

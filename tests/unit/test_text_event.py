@@ -25,7 +25,9 @@ def _completion(text: str) -> str:
 
 def _chat(text: str) -> str:
     choice = ChatStreamChoice(index=1, delta=DeltaMessage(content=text))
-    return _chunk_event(ChatCompletionChunk(id="chatcmpl-x", created=7, model="m", choices=[choice]))
+    return _chunk_event(
+        ChatCompletionChunk(id="chatcmpl-x", created=7, model="m", choices=[choice])
+    )
 
 
 def _texts() -> list[str]:
