@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from engine.heap import freeze_objects
 from server.app import create_app
 from server.args import ServerArgs, parse_args
 from server.connections import ConnectionLimits, guarded_protocol
@@ -75,7 +76,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(args, on_fatal=on_fatal)
+    def on_ready() -> None:
+        # NOTE: not in create_app itself: an app served in a test's process must not
+        # freeze that process's objects (engine/heap.py).
+        frozen = freeze_objects()
+        logging.getLogger("server").info(
+            "%d start-up objects frozen out of the garbage collector's full passes", frozen
+        )
+
+    app = create_app(args, on_fatal=on_fatal, on_ready=on_ready)
     server = uvicorn.Server(uvicorn_config(app, args))
     # An inherited socket (--fd) is served as it is: no bind, so no window in which
     # another process could take the port.

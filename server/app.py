@@ -97,8 +97,11 @@ def create_app(
     args: ServerArgs,
     engine_factory: EngineFactory | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """Build the app; the engine is created by ``engine_factory`` in a background thread."""
+    """Build the app; the engine is created by ``engine_factory`` in a background thread.
+    ``on_ready`` runs once it is up, before ``/health`` answers 200 (the server process
+    freezes start-up's objects there)."""
     state = ServerState(args)
     factory = engine_factory or default_engine_factory
 
@@ -120,6 +123,8 @@ def create_app(
             )
             print(summary_line(args, engine.health()), flush=True)
             trim_heap()  # start-up's freed buffers back to the OS before serving
+            if on_ready is not None:
+                on_ready()
             watch = getattr(engine, "watch_fatal", None)
             if watch is not None:
                 watch(lambda exc: loop.call_soon_threadsafe(died, exc))

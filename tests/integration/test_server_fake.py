@@ -77,6 +77,26 @@ def test_loading_then_ready(tools: SimpleNamespace) -> None:
         assert details["kv_total_tokens"] == 4096
 
 
+def test_on_ready_runs_once_before_health_turns_200(tools: SimpleNamespace) -> None:
+    # The server process freezes start-up's objects there (engine/heap.py).
+    gate = threading.Event()
+    ran: list[float] = []
+
+    def factory(config: EngineConfig) -> FakeEngine:
+        gate.wait(20)
+        return FakeEngine(config)
+
+    app = create_app(_args(), engine_factory=factory, on_ready=lambda: ran.append(time.monotonic()))
+    with tools.ThreadServer(app) as srv:
+        assert httpx.get(srv.base_url + "/health").status_code == 503 and not ran
+        gate.set()
+        assert tools.wait_until(lambda: httpx.get(srv.base_url + "/health").status_code == 200)
+        ready_at = time.monotonic()
+        assert len(ran) == 1 and ran[0] < ready_at
+        httpx.get(srv.base_url + "/health")
+        assert len(ran) == 1
+
+
 def test_load_failure_is_reported_and_fatal(tools: SimpleNamespace) -> None:
     fatal: list[BaseException] = []
 

@@ -187,3 +187,10 @@ def test_unloadable_model_exits_1(tools: Any, tmp_path: Path) -> None:
     assert code == 1
     assert "cannot start the engine" in proc.log_text()
     assert "/nonexistent/model-dir" in proc.log_text()
+
+
+def test_the_server_freezes_start_ups_objects_once_ready(server: Any) -> None:
+    # engine/heap.py: a full collection no longer walks start-up's objects while serving.
+    frozen = [line for line in server.log_text().splitlines() if "objects frozen" in line]
+    assert len(frozen) == 1, frozen
+    assert int(frozen[0].split(" start-up objects")[0].rsplit(" ", 1)[-1]) > 10_000
