@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine import platform
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.output_streams import OutputChannel, Stream, merge_outputs, put_all
 from engine.request import RequestOutput, SamplingParams
 from engine.scheduler import QueueFullError
 
@@ -32,79 +30,6 @@ class EngineDeadError(RuntimeError):
 
 class StreamStalledError(RuntimeError):
     """The reader of a stream stopped taking outputs for too long; the request was ended."""
-
-
-class OutputChannel:
-    """One reader's queue of outputs, on its event loop: ``put_nowait`` and ``await get()``.
-
-    NOTE: what asyncio.Queue does for this, less its bound, task counting and waiter
-    bookkeeping, none of which one reader and one writer on the same loop use. A put per
-    stream per step is the event loop's most frequent call; asyncio.Queue's was about a
-    fifth of the HTTP thread's time at 32 streams (2026-12-06, `py-spy --gil`).
-    """
-
-    __slots__ = ("_items", "_loop", "_waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._loop = loop
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: RequestOutput | BaseException) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> RequestOutput | BaseException:
-        while not self._items:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-
-@dataclass
-class _Stream:
-    """One request's way back to its caller.
-
-    NOTE: ``sent`` is written by the loop thread only and ``taken`` / ``last_read`` by the
-    reader only, so ``sent - taken`` (outputs queued) needs no lock. Past
-    ``max_queued_outputs`` the loop thread merges further outputs into ``pending``
-    instead of queueing them.
-    """
-
-    loop: asyncio.AbstractEventLoop
-    queue: OutputChannel
-    sent: int = 0
-    taken: int = 0
-    last_read: float = field(default_factory=time.monotonic)
-    pending: RequestOutput | None = None  # loop thread only
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Queue ``item`` for the reader (called on the loop thread)."""
-        self.sent += 1
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying the deltas of ``first`` then ``later`` (``later``'s totals)."""
-    new_logprobs = None
-    if first.new_logprobs is not None or later.new_logprobs is not None:
-        new_logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
-    return dataclasses.replace(
-        later,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_text=first.new_text + later.new_text,
-        new_logprobs=new_logprobs,
-        prompt_logprobs=later.prompt_logprobs or first.prompt_logprobs,
-        first_token_time=first.first_token_time or later.first_token_time,
-    )
 
 
 class AsyncEngine:
@@ -125,12 +50,12 @@ class AsyncEngine:
         self.served_model_name = self.engine.served_model_name
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         # Streams whose reader is behind: request id -> stream (loop thread only).
-        self._backlog: dict[str, _Stream] = {}
+        self._backlog: dict[str, Stream] = {}
         # Requests paused for their reader (Req.reader_behind), until it has taken half of
         # its queue: request id -> stream (loop thread only).
-        self._paused: dict[str, _Stream] = {}
+        self._paused: dict[str, Stream] = {}
         self._thread: threading.Thread | None = None
         self.join_timeout_s = 10.0
         self._close_lock = threading.Lock()
@@ -247,7 +172,7 @@ class AsyncEngine:
             command()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput]]] = {}
         limit = self.config.max_queued_outputs
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -268,7 +193,7 @@ class AsyncEngine:
             by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             # One hop per event loop per step, not one per token.
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
 
     def _set_reader_behind(self, request_id: str, behind: bool) -> None:
         setter = getattr(self.engine, "set_reader_behind", None)  # a test's fake has none
@@ -348,7 +273,7 @@ class AsyncEngine:
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, OutputChannel(loop))
+        stream = Stream(loop, OutputChannel(loop))
 
         def add() -> None:
             if request_id in self._streams:
@@ -416,8 +341,3 @@ class AsyncEngine:
 
     def health(self) -> dict[str, Any]:
         return dict(self._health)
-
-
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.queue.put_nowait(out)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.async_engine import AsyncEngine, StreamStalledError, merge_outputs
+from engine.async_engine import AsyncEngine, StreamStalledError
+from engine.output_streams import merge_outputs
 from engine.request import RequestOutput, TokenLogprob
 from server.engine_client import MERGE_QUEUE_PER_MEMBER, EngineClient
 
