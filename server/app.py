@@ -122,9 +122,9 @@ def create_app(
                 cache_salt_from_key=args.cache_salt_from_key,
             )
             print(summary_line(args, engine.health()), flush=True)
-            trim_heap()  # start-up's freed buffers back to the OS before serving
             if on_ready is not None:
-                on_ready()
+                on_ready()  # before the trim: what its collection frees goes back too
+            trim_heap()  # start-up's freed buffers back to the OS before serving
             watch = getattr(engine, "watch_fatal", None)
             if watch is not None:
                 watch(lambda exc: loop.call_soon_threadsafe(died, exc))
