@@ -9,6 +9,7 @@ failed within 5 s of the kill, and the restarted replica must take traffic again
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -77,12 +78,28 @@ def _complete(
             text = "".join(response.iter_text())
         if response.status_code != 200:
             outcome.error = f"HTTP {response.status_code}: {text[:200]}"
-        elif stream and ('"error"' in text or "[DONE]" not in text):
-            outcome.error = f"stream: {text[-200:]}"
+        elif stream and (problem := _stream_problem(text)):
+            outcome.error = f"stream: {problem}: {text[-200:]}"
     except httpx.HTTPError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
     outcome.ended = time.monotonic()
     return outcome
+
+
+def _stream_problem(text: str) -> str | None:
+    """Why a streamed body is not a whole, error-free SSE stream, or None.
+
+    Events are parsed, not searched: a token whose text is ``error`` puts
+    ``"text":"error"`` in a good chunk (one CI run failed on that).
+    """
+    events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return "no [DONE] at the end"
+    for event in events[:-1]:
+        payload = json.loads(event)
+        if "error" in payload:
+            return f"error event {payload['error']}"
+    return None
 
 
 def test_a_replica_killed_under_load_costs_no_later_request(fleet: LocalFleet) -> None:
