@@ -69,6 +69,10 @@ class Sampler:
     ) -> SamplerOutput:
         # NOTE: columns past vocab_size (padded lm_head) can never be chosen.
         logits = logits[:, : self.vocab_size].float()  # [B, V]
+        if 0 in logits.stride():
+            # Rows that share memory (an expanded [1, V]): the grammar mask and the bias
+            # write in place, and would put each row's into every row.
+            logits = logits.contiguous()
         raw_logits = logits
         if grammar_mask is not None:
             logits = self.apply_grammar(logits, reqs, grammar_mask)

@@ -92,10 +92,22 @@ def test_sampled_rows_only_draw_the_tokens_left_unbanned() -> None:
     sampler = Sampler(VOCAB, CPU, seed=0)
     counts: Counter[int] = Counter()
     for _ in range(4):  # each seeded row draws again from its own generator
-        counts.update(sampler(logits.expand(rows, VOCAB), reqs, [EOS]).token_ids)
+        counts.update(sampler(logits.repeat(rows, 1), reqs, [EOS]).token_ids)
     assert set(counts) == set(allowed)
     # e^-2 : e^-2.3 is about 57% : 43%; 256 draws.
     assert 0.4 < counts[7] / counts.total() < 0.75
+
+
+def test_rows_that_share_their_logits_each_get_only_their_own_bias() -> None:
+    # One row's logits expanded to two: the bias goes into a copy, not into the shared row.
+    shared = random_logits(1, seed=4)
+    top = int(shared[0].argmax())
+    second = int(shared[0].topk(2).indices[1])
+    reqs = [make_req(temperature=0.0, logit_bias={top: -100.0}), make_req(temperature=0.0)]
+    before = shared.clone()
+    out = Sampler(VOCAB, CPU)(shared.expand(2, VOCAB), reqs, [EOS])
+    assert out.token_ids == [second, top]
+    assert torch.equal(shared, before)
 
 
 def test_logprobs_of_a_biased_row_are_the_raw_model_logprobs() -> None:
