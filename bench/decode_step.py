@@ -9,9 +9,10 @@
 finish. Printed per round: the first step (the prefill of every prompt), the median and
 90th percentile of the decode steps, and output tokens/s over the whole round.
 
-It refuses a run in which not every request is running by the first decode step (the
+It refuses a run in which not every request is decoding by the first decode step (the
 scheduler keeps KV room for each request's ``max_tokens``, so with a small pool or long
-outputs part of the batch waits): such a "batch of 32" decodes fewer, and its steps
+outputs part of the batch waits; and a step's prompt tokens are capped, so the bench
+asks for the whole batch's in one): such a "batch of 32" decodes fewer, and its steps
 look cheaper than they are. One earlier decode figure was that mistake (docs/weights.md,
 2026-12-06, seventh session).
 """
@@ -58,10 +59,12 @@ def run_round(engine: Engine, prompts: list[list[int]], output_len: int) -> Roun
         begin = time.perf_counter()
         outs = engine.step()
         steps.append(time.perf_counter() - begin)
-        if len(steps) == 2 and len(engine.scheduler.running) < len(prompts) - finished:
+        # After the first decode step every request has its prefill's token and one more.
+        decoding = sum(1 for r in engine.scheduler.running if len(r.output_ids) >= 2)
+        if len(steps) == 2 and decoding < len(prompts) - finished:
             raise RuntimeError(
-                f"only {len(engine.scheduler.running)} of {len(prompts)} requests are running "
-                "at the first decode step: raise --kv-cache-tokens or lower --output-len"
+                f"only {decoding} of {len(prompts)} requests are decoding at the first "
+                "decode step: raise --kv-cache-tokens or lower --output-len"
             )
         for out in outs:
             if out.finished:
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_tokens=args.kv_cache_tokens,
+            # the first step is the whole batch's prefill, whatever the device's default
+            max_prefill_tokens=args.batch * args.prompt_len,
+            chunked_prefill_size=max(args.prompt_len, 1024),
         )
     )
     rng = random.Random(args.seed)

@@ -9,6 +9,7 @@ tensor-parallel step hook. Nothing is attached to an object after it is built.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from engine import dtypes, loader, platform
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_max_prefill_tokens
 from engine.future_tokens import FutureTokens
 from engine.grammar import EngineGrammars
 from engine.graph_runner import DecodeGraphRunner
@@ -136,6 +137,12 @@ def _build_on(
     mixed = config.enable_mixed_batches
     if mixed is None:  # auto: graphed decode steps beat mixed ones
         mixed = graphs is None
+    if config.max_prefill_tokens is None:
+        prefill_tokens = default_max_prefill_tokens(device.type)
+        logger.info(
+            "prefill: at most %d prompt tokens a step (%s default)", prefill_tokens, device.type
+        )
+        config = dataclasses.replace(config, max_prefill_tokens=prefill_tokens)
     scheduler = Scheduler(config, kv.manager, max_model_len, mixed=mixed)
     vocab_size = int(hf_config.vocab_size)
     sampler = Sampler(vocab_size, device, seed=config.seed)

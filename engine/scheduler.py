@@ -49,6 +49,9 @@ class Scheduler:
         mixed: bool | None = None,
     ) -> None:
         self.config = config
+        if config.max_prefill_tokens is None:
+            raise ValueError("max_prefill_tokens is settled for the device before this")
+        self.max_prefill_tokens: int = config.max_prefill_tokens
         # Whether decodes and prefill chunks share a forward; the engine's build settles
         # auto (None) once it knows whether decode steps replay device graphs.
         self.mixed = config.enable_mixed_batches is not False if mixed is None else mixed
@@ -188,7 +191,7 @@ class Scheduler:
         if self.mixed:
             decodes = sum(1 for r in self.running if self._decode_ready(r))
             # Decodes that fill the whole token budget would starve prefill: alternate.
-            if decodes < self.config.max_prefill_tokens:
+            if decodes < self.max_prefill_tokens:
                 return self._pick_mixed()
         return self._pick_alternating()
 
@@ -197,10 +200,10 @@ class Scheduler:
         self._last_was_prefill = False
         decode = self._schedule_decode()
         if decode is None:
-            return self._schedule_prefill(self.config.max_prefill_tokens)
+            return self._schedule_prefill(self.max_prefill_tokens)
         # After a retraction KV is short: continue started prefills but admit nobody, or
         # the request just retracted would be admitted again at once.
-        budget = self.config.max_prefill_tokens - decode.num_tokens
+        budget = self.max_prefill_tokens - decode.num_tokens
         prefill = self._schedule_prefill(budget, admit=not decode.retracted)
         if prefill is None:
             return decode
@@ -215,7 +218,7 @@ class Scheduler:
             if batch is not None:
                 self._last_was_prefill = False
                 return batch
-        batch = self._schedule_prefill(self.config.max_prefill_tokens)
+        batch = self._schedule_prefill(self.max_prefill_tokens)
         if batch is not None:
             self._last_was_prefill = True
             return batch

@@ -135,7 +135,12 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
     ),
     FlagSpec("max-running-requests", "most requests decoded together", "max_running_requests"),
     FlagSpec("max-waiting-requests", "queue length before 503", "max_waiting_requests"),
-    FlagSpec("max-prefill-tokens", "most new prompt tokens per step", "max_prefill_tokens"),
+    FlagSpec(
+        "max-prefill-tokens",
+        "most new prompt tokens per step (unset: 1024 on a CPU, where a burst of prompts "
+        "then gets first tokens in turns; 4096 on a GPU)",
+        "max_prefill_tokens",
+    ),
     FlagSpec("chunked-prefill-size", "prompt chunk size", "chunked_prefill_size"),
     FlagSpec("schedule-policy", "order of admission", "schedule_policy", choices=SCHEDULE_POLICIES),
     FlagSpec(

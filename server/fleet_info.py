@@ -65,6 +65,7 @@ def server_info_body(state: FleetState) -> dict[str, Any]:
         "version": SERVER_VERSION,
         "device": health.get("device"),
         "dtype": health.get("dtype"),
+        "weights": health.get("weights"),
         "context_length": engine.max_model_len,
         "max_total_tokens": health.get("kv_total_tokens"),
         "max_running_requests": config.max_running_requests,

@@ -56,6 +56,8 @@ def test_models_and_health(client: openai.OpenAI, http: httpx.Client, model_name
         4096,
     )
     assert "host_alloc_method" in health and health["pinned"] is False
+    # the packed default model dequantized to float32, and the CPU's prefill step
+    assert (health["weights"], health["max_prefill_tokens"]) == ("dense", 1024)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     with pytest.raises(openai.NotFoundError):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from engine.config import CPU_MAX_PREFILL_TOKENS, default_max_prefill_tokens
 from tests.unit.cpu_engine import checked_engine
 
 
@@ -98,6 +99,21 @@ def test_retraction_keeps_greedy_output(tiny_llama_dir, prompts, reference):
     outs = eng.generate(prompts, GREEDY)
     assert eng.scheduler.num_retractions > 0
     assert [o.token_ids for o in outs] == reference
+
+
+def test_a_step_carries_the_device_default_of_prompt_tokens(tiny_llama_dir):
+    # Unset, a CPU step carries at most 1,024 prompt tokens: a burst of 3 x 400 takes a
+    # second prefill step for the third prompt. Set, the limit is the one given.
+    burst = make_prompts(3, seed=11, lo=400, hi=401)
+    eng = engine_for(tiny_llama_dir)
+    assert eng.scheduler.max_prefill_tokens == CPU_MAX_PREFILL_TOKENS == 1024
+    for prompt in burst:
+        eng.add_request(prompt, GREEDY)
+    eng.step()
+    assert [r.kv_len for r in eng.scheduler.running] == [400, 400, 224]
+    wide = engine_for(tiny_llama_dir, max_prefill_tokens=2048)
+    assert wide.scheduler.max_prefill_tokens == 2048
+    assert default_max_prefill_tokens("cuda") == default_max_prefill_tokens("musa") == 4096
 
 
 def test_shared_prefix_reports_cached_tokens(tiny_llama_dir):
