@@ -6,6 +6,11 @@ single stream and a batch of 32 through the engine (greedy, ``ignore_eos``), the
 bytes of weights one decode step reads against the read-only bandwidth measured in the
 same run (bench/micro/bandwidth.py): the single stream's share of its own floor.
 
+``read`` is a ceiling for any kernel: the same weight tensors, in the order a step uses
+them, only read (a ``sum`` over each, torch's threads), no arithmetic. On a machine where
+reading a step's tensors one by one already falls short of the one-stream floor (each
+tensor's stream starts and ends, its threads meet at its end), no kernel can reach it.
+
 Where a single-stream step's time goes, per format (medians over the single-stream
 runs' steps): the model's forward (embedding and every layer), the LM head, sampling,
 and the rest of the engine's step, beside the floor (the weights' bytes at the read
@@ -91,6 +96,44 @@ def linears_alone(model: Any, passes: int = 10, rounds: int = 5) -> float:
     return best
 
 
+def step_tensors(model: Any) -> list[torch.Tensor]:
+    """The weight tensors a single-stream decode step reads, in the model's order: each
+    linear layer's packed blocks or dense weight (the LM head's too) and the norms'
+    weights; a tied, unpacked model's embedding table as its LM head."""
+    tensors: list[torch.Tensor] = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedLinear):
+            if module.packed is not None:
+                tensors += [part.data for _, part in module.packed.segments]
+            else:
+                tensors.append(module.weight)
+        elif "norm" in name.rsplit(".", 1)[-1] and isinstance(
+            getattr(module, "weight", None), torch.Tensor
+        ):
+            tensors.append(module.weight)
+    if getattr(model, "lm_head", None) is None:
+        tensors.append(model.model.embed_tokens.weight)
+    return tensors
+
+
+def read_alone(tensors: list[torch.Tensor], rounds: int = 7) -> float:
+    """Best seconds to read every tensor once, in turn, by a ``sum`` over its bytes as
+    float32 (a tensor's last 0-3 bytes left out): the step's weights without arithmetic."""
+    views = []
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        views.append(flat[: flat.numel() // 4 * 4].view(torch.float32))
+    for v in views:  # warm: threads up, pages touched
+        v.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for v in views:
+            v.sum()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_format(
     name: str, args: argparse.Namespace, prompts: list[list[int]], out_lens: list[int]
 ) -> FormatResult:
@@ -119,6 +162,7 @@ def measure_format(
             )
         parts = {label: statistics.median(seconds) for label, seconds in sink.items()}
         parts["linears"] = linears_alone(engine.model)
+        parts["read"] = read_alone(step_tensors(engine.model))
         return FormatResult(name, single, batch, weight_bytes_per_token(engine.model), parts)
     finally:
         engine.close()
@@ -157,19 +201,27 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(
         "single-stream step, ms (medians; floor: the weights' bytes at the read bandwidth; "
-        "linears: the layers' linear layers alone, part of forward)"
+        "read: the step's weight tensors only read, one by one, best of 7; linears: the "
+        "layers' linear layers alone, part of forward)"
     )
     print(
-        f"{'format':8} {'floor':>6} {'step':>6} {'forward':>8} {'linears':>8} {'LM head':>8} "
-        f"{'sampling':>9} {'rest':>6}"
+        f"{'format':8} {'floor':>6} {'read':>6} {'step':>6} {'forward':>8} {'linears':>8} "
+        f"{'LM head':>8} {'sampling':>9} {'rest':>6}"
     )
     for r in results:
         p = {k: 1e3 * v for k, v in r.parts.items()}
         rest = p["step"] - p["forward"] - p["lm_head"] - p["sampling"]
         print(
-            f"{r.name:8} {1e3 * r.bytes_per_token / read.best:6.2f} {p['step']:6.2f} "
+            f"{r.name:8} {1e3 * r.bytes_per_token / read.best:6.2f} {p['read']:6.2f} "
+            f"{p['step']:6.2f} "
             f"{p['forward']:8.2f} {p['linears']:8.2f} {p['lm_head']:8.2f} "
             f"{p['sampling']:9.2f} {rest:6.2f}"
+        )
+    for r in results:
+        floor = r.bytes_per_token / read.best
+        print(
+            f"{r.name}: reading the step's weights alone takes {100 * floor / r.parts['read']:.0f}% "
+            f"of the floor's speed; the step {100 * floor / r.parts['step']:.0f}%"
         )
     base = next((r for r in results if r.name == "float32"), None)
     if base is not None:

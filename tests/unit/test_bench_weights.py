@@ -27,6 +27,19 @@ def test_bf16_weights_halve_the_bytes_a_token_reads(tiny_llama_dir: Path) -> Non
     assert float((got - want).abs().max() / want.abs().max()) < 0.02  # bf16 rounding only
 
 
+def test_the_read_ceiling_reads_the_bytes_a_token_reads(tiny_llama_dir: Path) -> None:
+    from bench.weights import read_alone, step_tensors
+
+    cpu = torch.device("cpu")
+    for bf16 in (False, True):
+        model = load_model(tiny_llama_dir, cpu, torch.float32, "torch", bf16_weights=bf16)
+        tensors = step_tensors(model)
+        # the tiny Llama has no biases: the same tensors the bytes count adds up
+        assert sum(t.numel() * t.element_size() for t in tensors) == weight_bytes_per_token(model)
+        assert len({t.data_ptr() for t in tensors}) == len(tensors)  # each once
+        assert read_alone(tensors, rounds=2) > 0
+
+
 def test_the_bench_breaks_each_formats_step_down(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -39,8 +52,9 @@ def test_the_bench_breaks_each_formats_step_down(
     table = [line.split() for line in lines[start + 1 : start + 3]]
     rows = {r[0]: [float(v) for v in r[1:]] for r in table}
     assert set(rows) == {"float32", "bf16"}
-    for name, (floor, step, forward, linears, lm_head, sampling, rest) in rows.items():
-        assert floor > 0 and step > 0 and min(forward, linears, lm_head, sampling) > 0, name
+    for name, (floor, read, step, forward, linears, lm_head, sampling, rest) in rows.items():
+        assert floor > 0 and read > 0 and step > 0, name
+        assert min(forward, linears, lm_head, sampling) > 0, name
         # each part runs inside every step, so its median is under the step's
         assert max(forward, lm_head, sampling) < step, name
         # five printed values, each rounded to 0.01: up to 0.025 apart (0.02 failed once,
