@@ -133,7 +133,14 @@ def _build_on(
         make_transfer=make_transfer,
         weights_tag=weights.tag,
     )
-    graphs: DecodeGraphRunner | None = build_decode_graphs(config, model, kv, device_spec, device)
+    if tp is not None:
+        tp.share_geometry(kv)  # the workers build their KV, then capture with rank 0
+    graphs: DecodeGraphRunner | None = build_decode_graphs(
+        config, model, kv, device_spec, device, gather=tp.gather if tp is not None else None
+    )
+    if tp is not None:
+        # The start-up replay check's table writes: every rank made its own.
+        tp.table_journal.clear()
     mixed = config.enable_mixed_batches
     if mixed is None:  # auto: graphed decode steps beat mixed ones
         mixed = graphs is None
@@ -167,8 +174,6 @@ def _build_on(
         on_step=tp.send_step if tp is not None else None,
         futures=FutureTokens(config.max_running_requests, device),
     )
-    if tp is not None:
-        tp.share_geometry(kv)
     return EngineParts(
         device_spec=device_spec,
         device=device,

@@ -1,26 +1,34 @@
 """Whether decode steps replay device graphs, and the runner that replays them.
 
-``build_decode_graphs`` is the engine build's one call: it says why graphs stay off
-(turned off, a device without a graph API, tensor parallelism, a model whose decode
-cannot be captured) or builds the ``DecodeGraphRunner`` (engine/graph_runner.py) and,
-for attention that reads the pool in place, captures every bucket before serving
-(engine/graph_startup.py).
+``build_decode_graphs`` is the engine build's one call (on every tensor-parallel rank):
+it says why graphs stay off (turned off, a device without a graph API, a model whose
+decode cannot be captured, tensor parallelism with the gather fallback) or builds the
+``DecodeGraphRunner`` (engine/graph_runner.py) and, for attention that reads the pool in
+place, captures every bucket before serving (engine/graph_startup.py), the ranks of a
+tensor-parallel group in lockstep.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from engine import graph_startup, platform
 from engine.config import EngineConfig
-from engine.graph_runner import DecodeGraphRunner
-from engine.kv_setup import KVSetup
+from engine.graph_buckets import batch_buckets
+from engine.graph_runner import DecodeGraphRunner, decode_in_place
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.kvcache.req_table import ReqTable
 from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS, SparseMoE
 
 logger = logging.getLogger(__name__)
+
+# Set to 1: the graph path without a graph API (direct_graphs).
+DIRECT_GRAPHS_ENV = "HISERVE_DIRECT_DECODE_GRAPHS"
 
 
 def graph_blockers(model: torch.nn.Module, max_batch: int = 1) -> list[str]:
@@ -45,45 +53,96 @@ def graph_blockers(model: torch.nn.Module, max_batch: int = 1) -> list[str]:
     return sorted(reasons)
 
 
+class PoolAndTable(Protocol):
+    """What the graphs read: rank 0's KVSetup, or a tensor-parallel worker's RankKV."""
+
+    device_pool: DeviceKVPool
+    req_table: ReqTable
+
+
+# Ranks' values gathered on every rank, in rank order (engine/tp/protocol.py gather).
+Gather = Callable[[Any], list[Any]]
+
+
+def direct_graphs() -> bool:
+    """Whether decode runs the graph path on a device without a graph API, each "replay"
+    calling the captured function on the static buffers (``DIRECT_GRAPHS_ENV=1``): how
+    CPU tests drive that path end to end, tensor-parallel workers (processes of their own)
+    included. It gains nothing on a CPU."""
+    return os.environ.get(DIRECT_GRAPHS_ENV, "0") == "1"
+
+
+def _why_eager(
+    config: EngineConfig, model: Any, api: platform.GraphApi | None, spec: platform.DeviceSpec
+) -> tuple[str, int] | None:
+    """Why this rank's decode stays eager, with the log level to say it at; None: it can
+    be captured."""
+    if config.disable_cuda_graph:
+        return "off (--disable-cuda-graph)", logging.INFO
+    if api is None and not direct_graphs():
+        if spec.type == "cpu":
+            return "off on the CPU", logging.DEBUG
+        return f"{spec.type} has no graph API; decode runs eagerly", logging.INFO
+    blockers = graph_blockers(model, _max_batch(config))
+    if blockers:
+        return f"off for this model ({'; '.join(blockers)}); decode runs eagerly", logging.WARNING
+    if config.tensor_parallel_size > 1 and not decode_in_place(model):
+        # NOTE: the gather fallback captures lazily while serving; ranks cannot agree on
+        # a capture that fails midway on one of them.
+        return (
+            f"off under tensor parallelism (tp={config.tensor_parallel_size}) with an "
+            "attention backend that gathers K/V; decode runs eagerly",
+            logging.INFO,
+        )
+    return None
+
+
+def _max_batch(config: EngineConfig) -> int:
+    return min(config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests)
+
+
 def build_decode_graphs(
     config: EngineConfig,
     model: Any,
-    kv: KVSetup,
+    kv: PoolAndTable,
     spec: platform.DeviceSpec,
     device: torch.device,
+    gather: Gather | None = None,
 ) -> DecodeGraphRunner | None:
     """The engine's decode graph runner, or None (logged) where decode stays eager:
-    turned off, a device without graphs (cpu, mps, npu, xpu), tensor parallelism (not
-    supported yet: ranks would have to replay in lockstep), or a model with work that
-    cannot be captured."""
-    if config.disable_cuda_graph:
-        logger.info("device graphs: off (--disable-cuda-graph)")
-        return None
+    turned off, a device without graphs (cpu, mps, npu, xpu), a model with work that
+    cannot be captured, or tensor parallelism with the gather fallback.
+
+    Under tensor parallelism every rank calls this with ``gather`` (its values and the
+    other ranks', on every rank): the ranks agree that all of them capture the same
+    buckets, capture them in lockstep (largest first, each with the forward's
+    all-reduces) and agree after each capture and each check, so either every rank
+    replays graphs or none does.
+    """
+    tp = config.tensor_parallel_size > 1
+    if tp and gather is None:
+        raise ValueError("tensor-parallel ranks agree on decode graphs: pass gather")
     api = platform.graph_api(spec)
-    if api is None:
-        if spec.type != "cpu":
-            logger.info("device graphs: %s has no graph API; decode runs eagerly", spec.type)
-        return None
-    if config.tensor_parallel_size > 1:
-        logger.info(
-            "device graphs: off under tensor parallelism (tp=%d); decode runs eagerly",
-            config.tensor_parallel_size,
-        )
-        return None
-    max_batch = min(
-        config.cuda_graph_max_bs or config.max_running_requests, config.max_running_requests
-    )
-    blockers = graph_blockers(model, max_batch)
-    if blockers:
-        logger.warning(
-            "device graphs: off for this model (%s); decode runs eagerly", "; ".join(blockers)
-        )
+    eager = _why_eager(config, model, api, spec)
+    buckets = batch_buckets(_max_batch(config)) if eager is None else None
+    if tp:
+        assert gather is not None
+        views = gather(buckets)
+        if eager is None and any(view != buckets for view in views):
+            eager = (
+                f"off: the tensor-parallel ranks would capture {views} batch sizes, not the "
+                "same (a rank that cannot capture logs why); decode runs eagerly",
+                logging.WARNING,
+            )
+    if eager is not None:
+        reason, level = eager
+        logger.log(level, "device graphs: %s", reason)
         return None
     runner = DecodeGraphRunner(
-        model, kv.device_pool, kv.req_table, device, max_batch, api=api, spec=spec
+        model, kv.device_pool, kv.req_table, device, _max_batch(config), api=api, spec=spec
     )
     if runner.in_place:
-        failure = graph_startup.capture_at_start(runner)
+        failure = graph_startup.capture_at_start(runner, gather=gather if tp else None)
         if failure is not None:
             logger.warning("device graphs: off, decode runs eagerly: %s", failure)
             runner.graphs.clear()

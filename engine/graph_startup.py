@@ -83,26 +83,47 @@ def _abandon(api: platform.GraphApi, spec: platform.DeviceSpec, graph: Any, main
 
 
 @torch.inference_mode()  # as serving runs them
-def capture_at_start(runner: DecodeGraphRunner, check: bool = True) -> str | None:
+def capture_at_start(
+    runner: DecodeGraphRunner,
+    check: bool = True,
+    gather: Callable[[Any], list[Any]] | None = None,
+) -> str | None:
     """Capture every batch bucket, largest first (later, smaller graphs reuse its pool
-    memory), and check each replay once against eager; the failure reason, or None."""
+    memory), and check each replay once against eager; the failure reason, or None.
+
+    ``gather`` (tensor parallelism: every rank's value on every rank): after each
+    capture and each check the ranks share whether theirs went well, and all stop at
+    the first failure of any, so no rank goes on to replay (and all-reduce) alone.
+    """
+
+    def settle(failure: str | None, what: str) -> str | None:
+        if gather is None:
+            return failure
+        failed = [rank for rank, ok in enumerate(gather(failure is None)) if not ok]
+        if failure is None and failed:
+            return f"tensor-parallel rank {failed[0]} failed {what} (its log says why)"
+        return failure
+
     started = time.perf_counter()
     context = runner.context_buckets[-1]
     for batch in reversed(runner.batch_buckets):
+        failure = None
         try:
             runner.capture(batch, context)
         except Exception as exc:
-            return f"capturing batch {batch} failed ({type(exc).__name__}: {exc})"
-        if check:
-            mismatch = check_replay(runner, batch)
-            if mismatch is not None:
-                return mismatch
+            failure = f"capturing batch {batch} failed ({type(exc).__name__}: {exc})"
+        failure = settle(failure, f"capturing batch {batch}")
+        if failure is None and check:
+            failure = settle(check_replay(runner, batch), f"the replay check of batch {batch}")
+        if failure is not None:
+            return failure
     logger.info(
-        "device graphs: captured %d batch sizes %s at start-up in %.2f s%s",
+        "device graphs: captured %d batch sizes %s at start-up in %.2f s%s%s",
         len(runner.batch_buckets),
         runner.batch_buckets,
         time.perf_counter() - started,
         ", each replay checked against eager" if check else "",
+        ", in lockstep with the other tensor-parallel ranks" if gather is not None else "",
     )
     return None
 

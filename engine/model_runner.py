@@ -35,6 +35,9 @@ class StepInputs:
     sample_ends: list[int]  # index of each sampling sequence's last token
     num_decodes: int = 0  # a mixed batch: its first num_decodes sequences decode
     future_refs: bool = False  # input_ids holds references to tokens still on the device
+    # Replayed from the decode graph of its batch size, decided by rank 0 for every
+    # tensor-parallel rank: a graph's rows are padded, so all must take the same path.
+    replay: bool = False
 
 
 class ModelRunner:
@@ -188,9 +191,10 @@ class ModelRunner:
         # forward's all-reduce waiting for a rank 0 that never joins. Masks are filled on
         # the host before the forward (which a GPU runs asynchronously, so they overlap).
         mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
+        inputs.replay = self._replays(inputs, bool(batch.kv_loads))
         if self.on_step is not None:
             self.on_step(inputs)  # tensor parallel: the other ranks run the same forward
-        logits = self._replay_decode(inputs, batch, sampling)  # [B, vocab] or None
+        logits = self._replay(inputs) if inputs.replay else None  # [B, vocab] or None
         if logits is not None:
             return self._sample(logits, sampling, mask)
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
@@ -212,24 +216,41 @@ class ModelRunner:
         assert self.futures is not None, "a reference to a future token needs the buffer"
         return self.futures
 
-    def _replay_decode(
-        self, inputs: StepInputs, batch: ScheduledBatch, sampling: list[Req]
-    ) -> torch.Tensor | None:
-        """Logits ``[B, vocab]`` of a step replayed from a device graph (valid until the
-        next replay), or None: run it eagerly. Graphs take pure decode steps (every row
-        samples) with no host-tier load to wait for, not tensor parallel, that fit a
-        bucket."""
+    def _replays(self, inputs: StepInputs, has_loads: bool) -> bool:
+        """Whether the step of ``inputs`` replays a decode graph: pure decode steps (every
+        row samples) with no host-tier load to wait for, that fit a bucket."""
         graphs = self.graphs
-        if graphs is None or not inputs.is_decode or self.on_step is not None:
-            return None
-        seq_lens = [s + 1 for s in inputs.prefix_lens]  # [B] the new token included
-        if batch.kv_loads or len(sampling) != len(seq_lens) or not graphs.can_run(seq_lens):
-            return None
-        return graphs.run(
+        if graphs is None or not inputs.is_decode or has_loads:
+            return False
+        if len(inputs.sample_ends) != len(inputs.req_rows):
+            return False
+        return graphs.can_run([s + 1 for s in inputs.prefix_lens])
+
+    def _replay(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` of the step replayed from its graph (valid until the next
+        replay); None where the graph could not be captured: run it eagerly."""
+        assert self.graphs is not None, "only a runner with graphs replays"
+        return self.graphs.run(
             inputs.input_ids,
             inputs.positions,
             inputs.out_slots,
             inputs.req_rows,
-            seq_lens,
+            [s + 1 for s in inputs.prefix_lens],  # [B] the new token included
             resolve=self._futures().resolve if inputs.future_refs else None,
         )
+
+    def follow(self, inputs: StepInputs, kv_loads: list[Any]) -> None:
+        """A tensor-parallel worker's step: rank 0's forward, replayed from this rank's
+        graph where rank 0 replays its own (the graphs were captured in lockstep,
+        engine/graph_setup.py), else eager; the logits are rank 0's to use."""
+        if not inputs.replay:
+            self.forward(inputs, kv_loads)
+            return
+        # NOTE: a padded graph and an eager forward all-reduce tensors of different
+        # shapes; a rank that cannot follow must fail, not run the other path.
+        seq_lens = [s + 1 for s in inputs.prefix_lens]
+        if self.graphs is None or not self.graphs.can_run(seq_lens) or self._replay(inputs) is None:
+            raise RuntimeError(
+                f"rank 0 replayed a decode graph of {len(seq_lens)} rows that this rank "
+                "cannot replay"
+            )

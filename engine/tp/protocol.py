@@ -111,6 +111,14 @@ def receive(control: Any) -> Any:
     return box[0]
 
 
+def gather(value: object, control: Any) -> list[Any]:
+    """Every rank: ``value`` of each rank, in rank order (on the control group; every rank
+    calls it at the same point)."""
+    gathered: list[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(gathered, value, group=control)
+    return gathered
+
+
 def agreed_kv_config(
     config: EngineConfig,
     shard_config: Any,
@@ -127,6 +135,5 @@ def agreed_kv_config(
         dtype,
     )
     local = kv_pool_tokens(config, spec, per_token)
-    gathered: list[Any] = [None] * dist.get_world_size(control)
-    dist.all_gather_object(gathered, local, group=control)
+    gathered = gather(local, control)
     return dataclasses.replace(config, kv_cache_tokens=min(int(t) for t in gathered))

@@ -52,6 +52,7 @@ from engine.tp.protocol import (
     WorkerSpec,
     agreed_kv_config,
     broadcast,
+    gather,
     new_control_group,
     rank_ready_key,
 )
@@ -179,8 +180,13 @@ class TPRuntime:
         """The host tier's copier for rank 0's tree: it records each copy for the workers."""
         return MirroredKVTransfer(device_pool, host_pool, device, self.kv_journal)
 
+    def gather(self, value: object) -> list[Any]:
+        """Rank 0's side of a gather every rank makes at the same point of start-up."""
+        return gather(value, self.control)
+
     def share_geometry(self, kv: KVSetup) -> None:
-        """Send rank 0's KV geometry to the workers; from now on they follow its steps
+        """Send rank 0's KV geometry to the workers; they build their KV and decode graphs
+        (in lockstep with rank 0's, engine/graph_setup.py), then follow its steps
         (``send_step``, the runner's ``on_step``)."""
         host = kv.host_pool
         geometry = KVGeometry(

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine import dtypes, loader, platform
+from engine.graph_setup import build_decode_graphs
 from engine.heap import keep_freed_memory
 from engine.layers.parallel_linear import TPShard
 from engine.model_runner import ModelRunner
@@ -31,6 +32,7 @@ from engine.tp.protocol import (
     StepMessage,
     WorkerSpec,
     agreed_kv_config,
+    gather,
     new_control_group,
     rank_ready_key,
     receive,
@@ -91,6 +93,10 @@ def serve_rank(spec: WorkerSpec) -> None:
     agreed_kv_config(config, model.config, device_spec, kv_dtype, control)
     geometry: KVGeometry = receive(control)
     kv = RankKV(geometry, model.config, kv_dtype, device, device_spec)
+    # In lockstep with rank 0's build_decode_graphs (engine/build.py).
+    graphs = build_decode_graphs(
+        config, model, kv, device_spec, device, gather=lambda value: gather(value, control)
+    )
     runner = ModelRunner(
         model,
         kv.device_pool,
@@ -98,6 +104,7 @@ def serve_rank(spec: WorkerSpec) -> None:
         Sampler(int(model.config.vocab_size), device),
         device,
         (),
+        graphs=graphs,
     )
     logger.info("rank %d ready on %s", spec.rank, device_spec)
     try:
@@ -107,8 +114,14 @@ def serve_rank(spec: WorkerSpec) -> None:
                 loads = kv.apply(message)
                 if message.inputs is None:
                     break
-                runner.forward(message.inputs, loads)
+                runner.follow(message.inputs, loads)
     finally:
         kv.close()
+        if graphs is not None:
+            logger.info(
+                "rank %d: %d decode steps replayed from device graphs",
+                spec.rank,
+                sum(graphs.replays.values()),
+            )
     # NOTE: destroy is collective on NCCL; leaving the group must not wait for rank 0.
     collectives.leave_group(dist.get_backend())

@@ -168,9 +168,11 @@ def test_when_the_engine_uses_graphs(
     musa = platform.DeviceSpec("musa", 0)
     kv = engine.kv
 
-    def build(model: Any = engine.model, **overrides: Any) -> DecodeGraphRunner | None:
+    def build(
+        model: Any = engine.model, gather: Any = None, **overrides: Any
+    ) -> DecodeGraphRunner | None:
         config = EngineConfig(model=str(tiny_llama_dir), max_running_requests=32, **overrides)
-        return build_decode_graphs(config, model, kv, musa, engine.device)
+        return build_decode_graphs(config, model, kv, musa, engine.device, gather=gather)
 
     runner = build()
     assert runner is not None and runner.api is not None and runner.max_batch == 32
@@ -178,7 +180,10 @@ def test_when_the_engine_uses_graphs(
     capped = build(cuda_graph_max_bs=12)
     assert capped is not None and capped.batch_buckets == [1, 2, 4, 8, 12]
     assert build(disable_cuda_graph=True) is None
-    assert build(tensor_parallel_size=2) is None
+    with pytest.raises(ValueError, match="pass gather"):
+        build(tensor_parallel_size=2)  # the ranks must agree
+    # The gather fallback captures while serving, which ranks cannot agree on: eager.
+    assert build(tensor_parallel_size=2, gather=lambda value: [value, value]) is None
     assert build(model=LlamaForCausalLM(MistralConfig(**TINY, sliding_window=6))) is None
     cpu = EngineConfig(model=str(tiny_llama_dir))
     assert (

@@ -6,6 +6,7 @@ slot; and a captured step that reads no tensor on the host and keeps its shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from engine.graph_runner import (
     bucket_for,
     context_buckets,
 )
+from engine.model_runner import StepInputs
 from tests.unit.test_engine import engine_for
 
 BACKENDS = ("torch", "cpu_native")
@@ -275,6 +277,13 @@ def test_context_buckets_and_lookup() -> None:
     assert bucket_for(1001, buckets) is None
 
 
+class LoadToWaitFor:
+    """A host-tier load the eager forward waits for, layer by layer (already landed)."""
+
+    def wait_layer(self, layer_id: int) -> None:
+        pass
+
+
 def test_only_plain_decode_steps_replay(tiny_llama_dir: Path) -> None:
     engine = engine_for(tiny_llama_dir)
     runner = with_graphs(engine)
@@ -284,14 +293,28 @@ def test_only_plain_decode_steps_replay(tiny_llama_dir: Path) -> None:
     engine.step()  # the prefill
     batch = engine.scheduler.schedule()
     assert batch is not None and batch.is_decode
-    inputs, sampling = engine.runner.step_inputs(batch)
-    batch.kv_loads = [object()]  # a host-tier load to wait for: eager
-    assert engine.runner._replay_decode(inputs, batch, sampling) is None
-    batch.kv_loads = []
-    engine.runner.on_step = lambda _: None  # tensor parallel: eager
-    assert engine.runner._replay_decode(inputs, batch, sampling) is None
-    engine.runner.on_step = None
-    assert engine.runner._replay_decode(inputs, batch, sampling[:1]) is None  # a row not sampling
+    inputs, _ = engine.runner.step_inputs(batch)
+    assert not engine.runner._replays(inputs, has_loads=True)  # a host-tier load to wait for
+    one_sampling = dataclasses.replace(inputs, sample_ends=inputs.sample_ends[:1])
+    assert not engine.runner._replays(one_sampling, has_loads=False)  # a row not sampling
+    assert engine.runner._replays(inputs, has_loads=False)
     assert not runner.steps
-    logits = engine.runner._replay_decode(inputs, batch, sampling)
-    assert logits is not None and logits.shape[0] == 2 and runner.steps
+    # A tensor-parallel worker takes the path rank 0 took: eager, or the graph.
+    engine.runner.follow(inputs, [LoadToWaitFor()])
+    assert not runner.steps
+    engine.runner.follow(dataclasses.replace(inputs, replay=True), [])
+    assert len(runner.steps) == 1
+    # One it cannot replay (more rows than its largest graph) fails, never runs eagerly:
+    # rank 0's padded graph and an eager forward would all-reduce different shapes.
+    rows = runner.max_batch + 1
+    too_many = dataclasses.replace(
+        inputs, replay=True, prefix_lens=[1] * rows, req_rows=list(range(rows))
+    )
+    with pytest.raises(RuntimeError, match=f"graph of {rows} rows that this rank cannot"):
+        engine.runner.follow(too_many, [])
+    assert len(runner.steps) == 1
+    # Rank 0 decides and sends the decision with the step.
+    sent: list[StepInputs] = []
+    engine.runner.on_step = sent.append
+    assert engine.runner.run(batch) is not None
+    assert len(sent) == 1 and sent[0].replay and len(runner.steps) == 2

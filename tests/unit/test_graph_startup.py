@@ -16,7 +16,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams, graph_startup, platform
 from engine.graph_runner import DecodeGraphRunner
-from engine.graph_setup import build_decode_graphs
+from engine.graph_setup import DIRECT_GRAPHS_ENV, build_decode_graphs
 from tests.unit.fake_backends import FakeStreamBackend
 from tests.unit.test_engine import engine_for
 from tests.unit.test_graph_capture import FakeGraph, FakeGraphBackend
@@ -172,3 +172,66 @@ def test_gather_fallback_keeps_lazy_context_buckets(
     assert runner is not None and not runner.in_place and not runner.captured_at_start
     assert len(runner.context_buckets) > 1 and fake.captures == []
     assert torch.equal(runner._logits, torch.zeros_like(runner._logits))
+
+
+class OtherRank:
+    """``gather`` of a two-rank tensor-parallel group seen from rank 0: rank 1 answers
+    ``answers`` in turn; ``calls`` records what this rank shared."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = list(answers)
+        self.calls: list[Any] = []
+
+    def __call__(self, value: Any) -> list[Any]:
+        self.calls.append(value)
+        return [value, self.answers.pop(0)]
+
+
+def test_tensor_parallel_ranks_stop_together_at_the_first_failure_of_any(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = engine_for(tiny_llama_dir)
+    other = OtherRank([True, False])  # rank 1 captures batch 8, then its check fails
+    runner = runner_for(engine)
+    reason = graph_startup.capture_at_start(runner, gather=other)
+    assert reason == "tensor-parallel rank 1 failed the replay check of batch 8 (its log says why)"
+    assert runner.captured == [8] and other.calls == [True, True]
+    # This rank's own failure is its reason, shared at the same point.
+    other = OtherRank([True, True])
+    reason = graph_startup.capture_at_start(runner_for(engine, WrongReplay), gather=other)
+    assert reason is not None and "differ from eager" in reason
+    assert other.calls == [True, False]
+    # Both well: every size, a capture and a check each, in the same order on both ranks.
+    other = OtherRank([True] * 8)
+    runner = runner_for(engine)
+    with caplog.at_level(logging.INFO):
+        assert graph_startup.capture_at_start(runner, gather=other) is None
+    assert runner.captured == [8, 4, 2, 1] and other.calls == [True] * 8
+    assert "in lockstep with the other tensor-parallel ranks" in caplog.text
+
+
+def test_tensor_parallel_ranks_capture_the_same_sizes_or_none(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = engine_for(tiny_llama_dir)  # the native kernel reads the pool in place
+    config = EngineConfig(model="unused", max_running_requests=4, tensor_parallel_size=2)
+    cpu = platform.DeviceSpec("cpu")
+
+    def build(other: OtherRank) -> DecodeGraphRunner | None:
+        return build_decode_graphs(config, engine.model, engine.kv, cpu, engine.device, other)
+
+    other = OtherRank([None])  # no graph API on the CPU: eager on every rank
+    assert build(other) is None and other.calls == [None]
+    monkeypatch.setenv(DIRECT_GRAPHS_ENV, "1")  # the graph path, "replays" called directly
+    other = OtherRank([[1, 2, 4]] + [True] * 6)
+    runner = build(other)
+    assert runner is not None and runner.api is None and runner.captured_at_start
+    assert sorted(batch for batch, _ in runner.graphs) == [1, 2, 4]
+    assert other.calls == [[1, 2, 4]] + [True] * 6
+    # A rank that cannot capture (it logs why), or would capture other sizes: none does.
+    for answer in (None, [1, 2]):
+        other = OtherRank([answer])
+        with caplog.at_level(logging.WARNING):
+            assert build(other) is None
+        assert f"the tensor-parallel ranks would capture [[1, 2, 4], {answer}]" in caplog.text
+        assert other.calls == [[1, 2, 4]]

@@ -20,7 +20,9 @@ def _direct_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine gets a graph runner in its direct-call mode (the CPU has no graphs), as
     it would on cuda or musa."""
 
-    def build(config: Any, model: Any, kv: Any, spec: Any, device: Any) -> DecodeGraphRunner:
+    def build(
+        config: Any, model: Any, kv: Any, spec: Any, device: Any, gather: Any = None
+    ) -> DecodeGraphRunner:
         return DecodeGraphRunner(model, kv.device_pool, kv.req_table, device, 8)
 
     monkeypatch.setattr(engine_module, "build_decode_graphs", build)

@@ -9,6 +9,7 @@ when a worker cannot take the stop message."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -24,6 +25,7 @@ import transformers
 from transformers import Qwen3MoeConfig
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.graph_setup import DIRECT_GRAPHS_ENV
 from engine.request import Req
 from engine.tp.protocol import TPRankDiedError, TPStepFailedError
 from tests.conftest import TOKENIZER_FILES
@@ -68,9 +70,13 @@ def _engine(path: Path, tp: int, **overrides: Any) -> Engine:
             model=str(path),
             device="cpu",
             dtype="float32",
-            attention_backend="torch",
             tensor_parallel_size=tp,
-            **{"kv_cache_tokens": 1024, "chunked_prefill_size": 16, **overrides},
+            **{
+                "attention_backend": "torch",
+                "kv_cache_tokens": 1024,
+                "chunked_prefill_size": 16,
+                **overrides,
+            },
         )
     )
     engine.check_invariants = True
@@ -116,6 +122,40 @@ def test_two_ranks_give_the_greedy_output_of_one(
     rng = random.Random(0)
     first = [rng.randrange(100, 40000) for _ in range(9)]
     assert outputs[2][0] == hf_greedy(hf_model, first, MAX_TOKENS)
+
+
+@pytest.mark.slow  # two worker start-ups
+def test_two_ranks_replay_decode_graphs_in_lockstep(
+    tiny_llama_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # The CPU has no graph API: the graph path runs with direct calls (DIRECT_GRAPHS_ENV,
+    # inherited by the spawned worker), each rank with its own runner, captured at
+    # start-up in lockstep and replayed on the same steps (its all-reduces included).
+    eager = _engine(tiny_llama_dir, 1, attention_backend="cpu_native")
+    try:
+        assert eager.runner.graphs is None
+        expected, _, _ = _conversations(eager)
+    finally:
+        eager.close()
+    monkeypatch.setenv(DIRECT_GRAPHS_ENV, "1")
+    with caplog.at_level(logging.INFO):  # the workers log at rank 0's level
+        engine = _engine(tiny_llama_dir, 2, attention_backend="cpu_native")
+        graphs = engine.runner.graphs
+        try:
+            assert graphs is not None and graphs.captured_at_start
+            outputs, _, _ = _conversations(engine)
+        finally:
+            engine.close()
+    assert outputs == expected
+    replayed = sum(graphs.replays.values())
+    assert replayed >= MAX_TOKENS - 1
+    assert "in lockstep with the other tensor-parallel ranks" in caplog.text
+    log = capfd.readouterr().err
+    assert "[tp rank 1]" in log and "in lockstep with the other tensor-parallel ranks" in log
+    assert f"rank 1: {replayed} decode steps replayed from device graphs" in log
 
 
 @pytest.mark.slow  # two worker start-ups
