@@ -25,7 +25,7 @@ from engine.gguf_convert import convert_gguf_isolated
 from engine.layers import triton_ops
 from engine.layers.attention import get_attention_backend
 from engine.layers.fused_cpu import use_fused_cpu_kernels
-from engine.layers.gemv_cpu import use_cpu_gemv
+from engine.layers.gemv_cpu import second_copies_fit, use_cpu_gemv
 from engine.layers.parallel_linear import TPShard
 from engine.model_files import (  # noqa: F401 - re-exported: where callers look for them
     DEFAULT_MODEL,
@@ -248,14 +248,15 @@ def load_model(
 
         use_bf16_weights(model)
     # Decode-size matmuls in the native GEMV kernel on float32 CPU models (HISERVE_CPU_GEMV=0:
-    # off); before packing, so the dense weights it reads are kept.
+    # off); before packing, so the dense weights it reads are kept (with a packed copy for
+    # batches beside them where memory allows).
     use_cpu_gemv(model)
     if (
         device.type == "cpu"
         and os.environ.get("HISERVE_CPU_ONEDNN", "1") != "0"
         and hasattr(model, "pack_for_cpu")
     ):
-        model.pack_for_cpu()
+        model.pack_for_cpu(second_copies=second_copies_fit(model))
     # Fused RMSNorm + residual and RoPE kernels on float32 CPU models (HISERVE_CPU_FUSED=0: off).
     use_fused_cpu_kernels(model)
     # A packed model's decode steps as one native call each (HISERVE_CPU_NATIVE_DECODE=0: off).

@@ -6,9 +6,13 @@ two thirds of the read bandwidth there and ``F.linear`` under half; this kernel 
 the dense ``[N, K]`` rows once per call. ``FusedLinear`` (and the tied LM head) call it
 for up to ``max_tokens()`` rows on float32 CPU models and keep oneDNN for more rows.
 
-NOTE: a layer that uses it keeps its dense weight next to the oneDNN-packed copy: about
-the linear weights' size again in host memory (for a tied LM head nothing more, the
-embedding table is the dense copy). Built like the other native kernels (see
+NOTE: a layer that uses it keeps its dense weight next to the oneDNN-packed copy that
+batches use: the linear weights' size again in host memory (a tied LM head's dense copy
+is the embedding table, its packed copy the extra). ``second_copies_fit`` keeps those
+copies only while they take at most ``SECOND_COPY_MAX_SHARE`` of the memory still
+available; otherwise batches multiply the dense weights with ``F.linear`` (oneDNN's
+packed copy was 1.2-1.9x faster at 8-32 rows on the default model's shapes, the same
+from 128 on). Built like the other native kernels (see
 ``cpu_kernels``): once, on first use; where the build fails the layers keep oneDNN or
 ``F.linear``, and the reason is logged once and kept in ``build_error()``.
 """
@@ -20,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from engine.host_memory import available_host_memory
 from engine.layers.cpu_kernels import NativeExtension
 
 logger = logging.getLogger(__name__)
@@ -30,6 +35,9 @@ ENV_SWITCH = "HISERVE_CPU_GEMV"
 # kernel beat oneDNN's packed GEMM at 1 and 2 rows and lost from 3 on (bench/micro/gemv.py,
 # SmolLM2-135M shapes, 2-core Zen 4); the kernel itself takes up to ``MAX_TOKENS`` (8).
 GEMV_MAX_TOKENS = 2
+# oneDNN's packed copies of the weights the kernel reads dense are made only while they
+# take at most this share of the memory still available after loading.
+SECOND_COPY_MAX_SHARE = 0.25
 _GEMV = NativeExtension(
     "gemv_cpu.cpp",
     "hiserve_gemv_cpu",
@@ -80,3 +88,36 @@ def use_cpu_gemv(model: nn.Module, max_tokens: int = GEMV_MAX_TOKENS) -> int:
         switched += 1
     logger.info("native GEMV kernel in use in %d layers, up to %d rows", switched, max_tokens)
     return switched
+
+
+def second_copy_bytes(model: nn.Module) -> int:
+    """Bytes oneDNN's packed copies would add beside the dense weights the kernel reads."""
+    from engine.layers.linear import FusedLinear
+
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if isinstance(m, FusedLinear) and m.gemv is not None
+    )
+
+
+def second_copies_fit(model: nn.Module, available: int | None = None) -> bool:
+    """Whether the layers the kernel serves may keep a oneDNN-packed copy of their weights
+    for batches: it takes at most ``SECOND_COPY_MAX_SHARE`` of ``available`` (the memory
+    this process can still allocate). Says so in the log when it does not."""
+    extra = second_copy_bytes(model)
+    if extra == 0:
+        return True
+    free = available_host_memory() if available is None else available
+    if extra <= SECOND_COPY_MAX_SHARE * free:
+        return True
+    logger.warning(
+        "float32 weights held once: oneDNN's packed copy for batches (%.2f GB) would take "
+        "more than %d%% of the %.2f GB still available, so batches of more than %d rows "
+        "multiply the dense weights (F.linear; up to about 1.5x slower at 8-32 rows)",
+        extra / 1e9,
+        round(100 * SECOND_COPY_MAX_SHARE),
+        free / 1e9,
+        GEMV_MAX_TOKENS,
+    )
+    return False

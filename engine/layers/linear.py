@@ -126,16 +126,17 @@ class FusedLinear(nn.Module):
         with torch.no_grad():
             target[start : start + size].copy_(weight)
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self, second_copy: bool = True) -> bool:
         """Replace the weight by a oneDNN-packed copy (faster GEMV/GEMM on CPU).
 
         NOTE: afterwards ``weight`` is an empty placeholder and the packed tensor the only
         copy, unless the GEMV kernel uses this layer (``self.gemv``): it reads the dense
-        weight, which then stays. Call this after loading, never before ``load_shard``.
+        weight, which then stays beside the packed copy, unless ``second_copy`` is False
+        (then nothing is packed). Call this after loading, never before ``load_shard``.
         Returns False (and changes nothing) where oneDNN cannot take this weight.
         """
         w = self.weight
-        if self.packed is not None:
+        if self.packed is not None or (self.gemv is not None and not second_copy):
             return False
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return False

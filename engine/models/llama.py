@@ -303,14 +303,17 @@ class LlamaForCausalLM(nn.Module):
         self.packed_embedding.put(0, tensor)
         return True
 
-    def pack_for_cpu(self) -> int:
+    def pack_for_cpu(self, second_copies: bool = True) -> int:
         """Switch every linear layer to oneDNN-packed weights (CPU only); returns how many.
+        ``second_copies`` False: the layers the GEMV kernel reads dense stay unpacked
+        (``FusedLinear.pack_for_cpu``).
 
         Call once after load_weights. A tied model gets a packed copy of the embedding as
         its lm_head (the lookup still needs the dense table).
         """
         if self.lm_head is None:
             head = self.tied_head()
-            if head.pack_for_cpu():
+            if head.pack_for_cpu(second_copies):
                 self.lm_head = head
-        return sum(int(m.pack_for_cpu()) for m in self.modules() if isinstance(m, FusedLinear))
+        linears = [m for m in self.modules() if isinstance(m, FusedLinear)]
+        return sum(int(m.pack_for_cpu(second_copies)) for m in linears)

@@ -197,3 +197,30 @@ def test_failed_build_falls_back_to_onednn_and_says_why(
     out = GreedyDriver(model, seed=3).generate([prompt], 4)[0]
     full = hf_model(torch.tensor([prompt + out.tokens[:-1]])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(torch.stack(out.logits), full, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_the_packed_second_copy_only_where_memory_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    hf_model = _tiny_hf(tmp_path, tied=True)
+    roomy = load_model(tmp_path, torch.device("cpu"), torch.float32)
+    served = [m for m in roomy.modules() if isinstance(m, FusedLinear) and m.gemv is not None]
+    assert served and all(m._packed is not None and m.weight.numel() for m in served)
+    extra = gemv_cpu.second_copy_bytes(roomy)
+    assert extra == sum(m.weight.numel() * 4 for m in served)
+    share = gemv_cpu.SECOND_COPY_MAX_SHARE
+    assert gemv_cpu.second_copies_fit(roomy, available=int(extra / share))
+    assert not gemv_cpu.second_copies_fit(roomy, available=int(extra / share) - 8)
+
+    monkeypatch.setattr(gemv_cpu, "available_host_memory", lambda: int(extra / share) - 8)
+    with caplog.at_level(logging.WARNING, logger=gemv_cpu.__name__):
+        model = load_model(tmp_path, torch.device("cpu"), torch.float32)
+    assert "float32 weights held once" in caplog.text
+    served = [m for m in model.modules() if isinstance(m, FusedLinear) and m.gemv is not None]
+    assert served and all(m._packed is None and m.weight.numel() for m in served)
+    # Decode through the kernel, prefill chunks of 4 rows through F.linear: HF's logits.
+    prompt = list(range(3, 20))
+    out = GreedyDriver(model, seed=3).generate([prompt], 4, prefill_chunk=4)[0]
+    full = hf_model(torch.tensor([prompt + out.tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    torch.testing.assert_close(torch.stack(out.logits), full, atol=1e-4, rtol=1e-4)
