@@ -18,6 +18,7 @@ MICRO = {
     "packed_gemv",
     "packed_matmul",
     "prefill_attention",
+    "int8_activations",
 }
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {
