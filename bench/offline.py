@@ -131,28 +131,39 @@ def matmul_floor(model: Any, shapes: list[tuple[int, int]], repeats: int = 3) ->
     return best
 
 
-def weight_bytes_per_token(model: Any) -> int:
-    """Bytes of weights one decode step of one stream reads: each linear layer's (its GGUF
-    blocks when kept packed, else its dense weight), biases, the norms and the LM head (the
-    embedding table for a tied, unpacked model); not the embedding lookup (one row)."""
-    total = 0
+def step_weight_tensors(model: Any) -> list[torch.Tensor]:
+    """The weights one decode step of one stream reads, in the model's order: each linear
+    layer's (its GGUF blocks when kept packed, else its dense weight) and bias, the norms
+    and the LM head (the embedding table for a tied, unpacked model); not the embedding
+    lookup (one row).
+
+    NOTE: a weight held only in oneDNN's packed layout (``FusedLinear.pack_for_cpu``
+    leaves ``weight`` empty) cannot be read from Python; it is listed as a meta tensor of
+    its shape and dtype (no memory), so its bytes count; a reader of the list makes a
+    dense stand-in for it.
+    """
+    tensors: list[torch.Tensor] = []
     for module in model.modules():
         if not isinstance(module, FusedLinear):
             continue
         if module.packed is not None:
-            total += module.packed.nbytes
+            tensors += [part.data for _, part in module.packed.segments]
+        elif module.weight.numel():
+            tensors.append(module.weight)
         else:
-            itemsize = torch.empty(0, dtype=module.weight.dtype).element_size()
-            total += module.in_features * module.out_features * itemsize
+            shape = (module.out_features, module.in_features)
+            tensors.append(torch.empty(shape, dtype=module.weight.dtype, device="meta"))
         if module.bias is not None:
-            total += module.bias.numel() * module.bias.element_size()
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            total += param.numel() * param.element_size()
+            tensors.append(module.bias)
+    tensors += [param for name, param in model.named_parameters() if "norm" in name]
     if getattr(model, "lm_head", None) is None:  # tied, and not packed: the table itself
-        embed = model.model.embed_tokens
-        total += embed.numel() * embed.element_size()
-    return total
+        tensors.append(model.model.embed_tokens)
+    return tensors
+
+
+def weight_bytes_per_token(model: Any) -> int:
+    """Bytes of the weights one decode step of one stream reads (step_weight_tensors)."""
+    return sum(t.numel() * t.element_size() for t in step_weight_tensors(model))
 
 
 def run_hf(model: Any, prompts: list[list[int]], out_lens: list[int], pad_id: int) -> float:

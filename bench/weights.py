@@ -33,7 +33,13 @@ from typing import Any, NamedTuple
 import torch
 
 from bench.micro.bandwidth import read_bandwidth
-from bench.offline import _patched, make_workload, run_engine, weight_bytes_per_token
+from bench.offline import (
+    _patched,
+    make_workload,
+    run_engine,
+    step_weight_tensors,
+    weight_bytes_per_token,
+)
 from engine import Engine, EngineConfig
 from engine.layers.linear import FusedLinear
 from engine.layers.quant_cpu import quant_kernel
@@ -96,31 +102,15 @@ def linears_alone(model: Any, passes: int = 10, rounds: int = 5) -> float:
     return best
 
 
-def step_tensors(model: Any) -> list[torch.Tensor]:
-    """The weight tensors a single-stream decode step reads, in the model's order: each
-    linear layer's packed blocks or dense weight (the LM head's too) and the norms'
-    weights; a tied, unpacked model's embedding table as its LM head."""
-    tensors: list[torch.Tensor] = []
-    for name, module in model.named_modules():
-        if isinstance(module, FusedLinear):
-            if module.packed is not None:
-                tensors += [part.data for _, part in module.packed.segments]
-            else:
-                tensors.append(module.weight)
-        elif "norm" in name.rsplit(".", 1)[-1] and isinstance(
-            getattr(module, "weight", None), torch.Tensor
-        ):
-            tensors.append(module.weight)
-    if getattr(model, "lm_head", None) is None:
-        tensors.append(model.model.embed_tokens.weight)
-    return tensors
-
-
 def read_alone(tensors: list[torch.Tensor], rounds: int = 7) -> float:
     """Best seconds to read every tensor once, in turn, by a ``sum`` over its bytes as
-    float32 (a tensor's last 0-3 bytes left out): the step's weights without arithmetic."""
+    float32 (a tensor's last 0-3 bytes left out): the step's weights without arithmetic.
+    A meta tensor (a weight in oneDNN's opaque layout, bench.offline.step_weight_tensors)
+    is read as a dense tensor of its size."""
     views = []
     for t in tensors:
+        if t.is_meta:
+            t = torch.ones(t.shape, dtype=t.dtype)
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         views.append(flat[: flat.numel() // 4 * 4].view(torch.float32))
     for v in views:  # warm: threads up, pages touched
@@ -162,7 +152,7 @@ def measure_format(
             )
         parts = {label: statistics.median(seconds) for label, seconds in sink.items()}
         parts["linears"] = linears_alone(engine.model)
-        parts["read"] = read_alone(step_tensors(engine.model))
+        parts["read"] = read_alone(step_weight_tensors(engine.model))
         return FormatResult(name, single, batch, weight_bytes_per_token(engine.model), parts)
     finally:
         engine.close()

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.offline import weight_bytes_per_token
+from bench.offline import step_weight_tensors, weight_bytes_per_token
+from engine.layers import gemv_cpu
 from engine.layers.linear import FusedLinear
 from engine.loader import load_model
 
@@ -27,17 +28,32 @@ def test_bf16_weights_halve_the_bytes_a_token_reads(tiny_llama_dir: Path) -> Non
     assert float((got - want).abs().max() / want.abs().max()) < 0.02  # bf16 rounding only
 
 
-def test_the_read_ceiling_reads_the_bytes_a_token_reads(tiny_llama_dir: Path) -> None:
-    from bench.weights import read_alone, step_tensors
+@pytest.mark.parametrize(
+    "gemv, bf16",
+    [("1", False), ("0", False), ("1", True)],
+    ids=["float32", "float32-onednn-only", "bf16"],
+)
+def test_the_read_ceiling_reads_every_weight_a_token_reads(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, gemv: str, bf16: bool
+) -> None:
+    from bench.weights import read_alone
 
-    cpu = torch.device("cpu")
-    for bf16 in (False, True):
-        model = load_model(tiny_llama_dir, cpu, torch.float32, "torch", bf16_weights=bf16)
-        tensors = step_tensors(model)
-        # the tiny Llama has no biases: the same tensors the bytes count adds up
-        assert sum(t.numel() * t.element_size() for t in tensors) == weight_bytes_per_token(model)
-        assert len({t.data_ptr() for t in tensors}) == len(tensors)  # each once
-        assert read_alone(tensors, rounds=2) > 0
+    # GEMV off: float32 weights are held in oneDNN's opaque layout only.
+    monkeypatch.setenv(gemv_cpu.ENV_SWITCH, gemv)
+    model = load_model(
+        tiny_llama_dir, torch.device("cpu"), torch.float32, "torch", bf16_weights=bf16
+    )
+    linears = [m for m in model.modules() if isinstance(m, FusedLinear)]
+    weights = sum(m.in_features * m.out_features for m in linears)
+    norms = sum(p.numel() * 4 for name, p in model.named_parameters() if "norm" in name)
+    tensors = step_weight_tensors(model)
+    assert (
+        sum(t.numel() * t.element_size() for t in tensors) == (2 if bf16 else 4) * weights + norms
+    )
+    assert any(t.is_meta for t in tensors) == (gemv == "0")  # stand-ins, no memory
+    real = [t for t in tensors if not t.is_meta]
+    assert len({t.data_ptr() for t in real}) == len(real)  # each once
+    assert read_alone(tensors, rounds=2) > 0
 
 
 def test_the_bench_breaks_each_formats_step_down(

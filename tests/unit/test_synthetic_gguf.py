@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.offline import weight_bytes_per_token
+from bench.offline import step_weight_tensors
 from bench.synthetic_gguf import SHAPES, check_q4_k, q4_k_blocks, write_synthetic_gguf
-from bench.weights import step_tensors
 from engine import Engine, EngineConfig, SamplingParams
 from engine.layers.linear import FusedLinear
 from engine.loader import default_gguf_path
@@ -77,9 +76,10 @@ def test_the_engine_keeps_it_packed_and_decodes(
         assert model.lm_head.packed is model.packed_embedding is not None  # shared blocks
         dense = {n: p.shape for n, p in model.named_parameters() if p.numel() and p.dim() > 1}
         assert dense == {}  # only norms (1D) are float32
-        # bench.weights' read ceiling reads the packed blocks its bytes count adds up
-        tensors = step_tensors(model)
-        assert sum(t.numel() * t.element_size() for t in tensors) == weight_bytes_per_token(model)
+        # bench.weights' read ceiling reads the packed blocks themselves, each once
+        tensors = step_weight_tensors(model)
+        blocks = {p.data.data_ptr() for m in packed for _, p in m.packed.segments}
+        assert blocks <= {t.data_ptr() for t in tensors} and not any(t.is_meta for t in tensors)
         out = engine.generate(
             [[1, 2, 3, 4, 5]], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
         )
