@@ -22,7 +22,7 @@ from engine.config import EngineConfig, default_max_prefill_tokens
 from engine.future_tokens import FutureTokens
 from engine.grammar import EngineGrammars
 from engine.graph_runner import DecodeGraphRunner
-from engine.graph_setup import build_decode_graphs
+from engine.graph_setup import build_decode_graphs, build_mixed_graphs
 from engine.heap import keep_freed_memory, trim_heap
 from engine.kv_setup import KVSetup, build_kv
 from engine.kvcache.transfer import KVTransfer, TransferFactory
@@ -150,6 +150,9 @@ def _build_on(
             "prefill: at most %d prompt tokens a step (%s default)", prefill_tokens, device.type
         )
         config = dataclasses.replace(config, max_prefill_tokens=prefill_tokens)
+    mixed_graphs = (
+        build_mixed_graphs(config, model, kv, graphs, device_spec, device) if mixed else None
+    )
     scheduler = Scheduler(config, kv.manager, max_model_len, mixed=mixed)
     vocab_size = int(hf_config.vocab_size)
     sampler = Sampler(vocab_size, device, seed=config.seed)
@@ -173,6 +176,7 @@ def _build_on(
         graphs=graphs,
         on_step=tp.send_step if tp is not None else None,
         futures=FutureTokens(config.max_running_requests, device),
+        mixed_graphs=mixed_graphs,
     )
     return EngineParts(
         device_spec=device_spec,

@@ -359,6 +359,8 @@ class Engine:
             "max_prefill_tokens": self.scheduler.max_prefill_tokens,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "device_graphs": self.runner.graphs is not None,
+            # steps that prefill replay graphs too (engine/mixed_graphs.py)
+            "mixed_graphs": self.runner.mixed_graphs is not None,
             "mixed_batches": self.scheduler.mixed,
             "overlap_schedule": self.overlap,
             **self.kv.host_health(),

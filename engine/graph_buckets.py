@@ -16,6 +16,15 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Token counts a mixed step is padded to (engine/mixed_graphs.py): powers of two from
+    ``smallest`` to 512, then every 256, always ending at ``max_tokens`` (padding costs
+    at most a quarter of a step past 1,024 tokens)."""
+    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s >= smallest]
+    sizes += list(range(768, max_tokens + 1, 256))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
 def context_buckets(max_context: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
     """Context lengths the decode attention is padded to: powers of two from ``smallest``,
     the last one cut to ``max_context`` (the request table's width)."""

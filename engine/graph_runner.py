@@ -24,7 +24,6 @@ padding, copy-in, the in-graph layout and the slicing of outputs are tested on a
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections import Counter
@@ -44,9 +43,6 @@ logger = logging.getLogger(__name__)
 
 # Most graphs held at once; steps past it that need a new bucket run eagerly.
 MAX_GRAPHS = 64
-# Eager runs of a bucket's function on a side stream before its capture, as the PyTorch
-# graph docs ask (lazy initialisation, autotuning and allocator warm-up stay out of it).
-WARMUP_RUNS = 2
 # Static input rows, in this order: what a padded row holds in each.
 INPUT_ROWS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens")
 # NOTE: a padded row decodes token 0 at position 0 into the pool's dummy slot 0, reads
@@ -66,11 +62,19 @@ def decode_in_place(model: torch.nn.Module) -> bool:
     return bool(found) and all(getattr(b, "decode_reads_pool_in_place", False) for b in found)
 
 
-class _Replayable(Protocol):
+def logits_width(model: Any, device: torch.device) -> int:
+    """Columns of ``model.compute_logits`` (the lm_head may be padded past the vocabulary):
+    the width of a graph's static logits buffer."""
+    embed = model.model.embed_tokens  # [vocab, hidden]
+    probe = torch.zeros(1, embed.shape[1], dtype=embed.dtype, device=device)
+    return int(model.compute_logits(probe).shape[1])
+
+
+class Replayable(Protocol):
     def replay(self) -> None: ...
 
 
-class _DirectCall:
+class DirectCall:
     """``api=None``: "replay" calls the captured function again, on the same buffers."""
 
     def __init__(self, fn: Callable[[], None]) -> None:
@@ -116,7 +120,7 @@ class DecodeGraphRunner:
         # Set once every bucket was captured at start-up: no capture while serving.
         self.captured_at_start = False
         self.max_graphs = max_graphs
-        self.graphs: dict[tuple[int, int], _Replayable] = {}
+        self.graphs: dict[tuple[int, int], Replayable] = {}
         self.replays: Counter[tuple[int, int]] = Counter()  # per (batch, context) bucket
         self._warned_full = False
         # Set when a capture failed: every later decode step runs eagerly.
@@ -126,18 +130,18 @@ class DecodeGraphRunner:
         # Static buffers, allocated outside any capture so no graph's pool holds them.
         self._inputs = torch.zeros(len(INPUT_ROWS) * max_batch, dtype=torch.int64, device=device)
         self._columns = torch.arange(req_table.max_context, device=device)  # [max_context]
-        self._logits = torch.zeros(max_batch, self._vocab_width(), device=device)  # float32
+        self._logits = torch.zeros(max_batch, logits_width(model, device), device=device)  # float32
         self._pad_column = torch.tensor(PAD_VALUES, dtype=torch.int64)[:, None]  # [5, 1]
+
+    @property
+    def pool(self) -> Any:
+        """The graphs' memory pool handle (None without a graph API): the mixed-step
+        graphs share it."""
+        return self._pool
 
     @property
     def max_batch(self) -> int:
         return self.batch_buckets[-1]
-
-    def _vocab_width(self) -> int:
-        """Columns of ``compute_logits`` (the lm_head may be padded past the vocabulary)."""
-        embed = self.model.model.embed_tokens  # [vocab, hidden]
-        probe = torch.zeros(1, embed.shape[1], dtype=embed.dtype, device=self.device)
-        return int(self.model.compute_logits(probe).shape[1])
 
     def _views(self, batch: int) -> list[torch.Tensor]:
         """The static input rows of a ``batch`` bucket: ``INPUT_ROWS``, each ``[batch]``."""
@@ -273,18 +277,18 @@ class DecodeGraphRunner:
 
         return forward
 
-    def capture(self, batch: int, context: int) -> _Replayable:
+    def capture(self, batch: int, context: int) -> Replayable:
         """Capture the (batch, context) bucket's graph now (run() does on first use)."""
         started = time.perf_counter()
         # Dummy rows only: warm-up runs really execute, and must write nothing but slot 0.
         for view, pad_value in zip(self._views(batch), PAD_VALUES):
             view.fill_(pad_value)
         forward = self._bucket_forward(batch, context)
-        graph: _Replayable
+        graph: Replayable
         if self.api is None:
-            graph = _DirectCall(forward)
+            graph = DirectCall(forward)
         else:
-            graph = self._capture_device_graph(forward, self.api)
+            graph = graph_startup.capture_warmed(self.api, self._spec, forward, self._pool)
         self.graphs[(batch, context)] = graph
         logger.info(
             "device graphs: captured batch %d x context %d in %.0f ms (%d graphs)",
@@ -294,28 +298,3 @@ class DecodeGraphRunner:
             len(self.graphs),
         )
         return graph
-
-    def _capture_device_graph(
-        self, forward: Callable[[], None], api: platform.GraphApi
-    ) -> _Replayable:
-        main = platform.current_stream(self._spec)
-        side = platform.new_stream(self._spec)
-        assert main is not None and side is not None, "graph backends have streams"
-        side.wait_stream(main)  # the warm-up reads what the main stream wrote
-        with platform.stream_context(self._spec, side):
-            for _ in range(WARMUP_RUNS):
-                forward()
-        main.wait_stream(side)
-        return graph_startup.capture_safely(api, self._spec, forward, self._capture_options(api))
-
-    def _capture_options(self, api: platform.GraphApi) -> dict[str, Any]:
-        options: dict[str, Any] = {"pool": self._pool}
-        try:
-            accepted = inspect.signature(api.capture).parameters
-        except (TypeError, ValueError):
-            return options
-        if "capture_error_mode" in accepted:
-            # Only this thread's unsafe calls break the capture; another thread (an L3
-            # reader, a grammar compile) may use the runtime meanwhile.
-            options["capture_error_mode"] = "thread_local"
-        return options

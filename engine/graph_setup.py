@@ -5,7 +5,8 @@ it says why graphs stay off (turned off, a device without a graph API, a model w
 decode cannot be captured, tensor parallelism with the gather fallback) or builds the
 ``DecodeGraphRunner`` (engine/graph_runner.py) and, for attention that reads the pool in
 place, captures every bucket before serving (engine/graph_startup.py), the ranks of a
-tensor-parallel group in lockstep.
+tensor-parallel group in lockstep. ``build_mixed_graphs`` does the same for steps that
+prefill (engine/mixed_graphs.py), where mixed batches are on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from engine.graph_runner import DecodeGraphRunner, decode_in_place
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS, SparseMoE
+from engine.mixed_graphs import MixedGraphRunner, mixed_blockers
+from engine.mixed_startup import capture_mixed_at_start
 
 logger = logging.getLogger(__name__)
 
@@ -158,4 +161,47 @@ def build_decode_graphs(
         runner.context_buckets,
         runner.max_graphs,
     )
+    return runner
+
+
+def build_mixed_graphs(
+    config: EngineConfig,
+    model: Any,
+    kv: PoolAndTable,
+    decode: DecodeGraphRunner | None,
+    spec: platform.DeviceSpec,
+    device: torch.device,
+) -> MixedGraphRunner | None:
+    """Graphs for the steps that prefill (alone or beside decodes), every token bucket up
+    to ``config.max_prefill_tokens`` captured and checked now; None (logged) where those
+    steps stay eager: decode graphs off or captured lazily, tensor parallelism, or a model
+    whose extend cannot be captured. Called only where mixed batches are on."""
+    if decode is None or not decode.captured_at_start:
+        return None  # decode is eager, or the gather fallback: so are mixed steps
+    max_tokens = config.max_prefill_tokens
+    assert max_tokens is not None, "the build settles max_prefill_tokens first"
+    why = None
+    if config.tensor_parallel_size > 1:
+        why = f"tensor parallelism (tp={config.tensor_parallel_size})"
+    else:
+        blockers = graph_blockers(model, max_tokens) + mixed_blockers(model)
+        why = "; ".join(blockers) or None
+    if why is not None:
+        logger.info("mixed graphs: off (%s); steps that prefill run eagerly", why)
+        return None
+    runner = MixedGraphRunner(
+        model,
+        kv.device_pool,
+        kv.req_table,
+        device,
+        max_tokens,
+        config.max_running_requests,
+        api=decode.api,
+        spec=spec,
+        pool=decode.pool,
+    )
+    failure = capture_mixed_at_start(runner)
+    if failure is not None:
+        logger.warning("mixed graphs: off, steps that prefill run eagerly: %s", failure)
+        return None
     return runner

@@ -8,6 +8,7 @@ reason logged; nothing is captured on the serving path afterwards.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +31,40 @@ REPLAY_TOLERANCE = {
     torch.float16: 2e-2,
     torch.bfloat16: 6e-2,
 }
+
+
+# Eager runs of a function on a side stream before its capture, as the PyTorch graph docs
+# ask (lazy initialisation, autotuning and allocator warm-up stay out of it).
+WARMUP_RUNS = 2
+
+
+def capture_warmed(
+    api: platform.GraphApi, spec: platform.DeviceSpec, forward: Callable[[], None], pool: Any
+) -> Any:
+    """``forward`` run ``WARMUP_RUNS`` times on a side stream, then captured into a new
+    graph whose memory comes from ``pool`` (shared by every graph of the engine)."""
+    main = platform.current_stream(spec)
+    side = platform.new_stream(spec)
+    assert main is not None and side is not None, "graph backends have streams"
+    side.wait_stream(main)  # the warm-up reads what the main stream wrote
+    with platform.stream_context(spec, side):
+        for _ in range(WARMUP_RUNS):
+            forward()
+    main.wait_stream(side)
+    return capture_safely(api, spec, forward, _capture_options(api, pool))
+
+
+def _capture_options(api: platform.GraphApi, pool: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {"pool": pool}
+    try:
+        accepted = inspect.signature(api.capture).parameters
+    except (TypeError, ValueError):
+        return options
+    if "capture_error_mode" in accepted:
+        # Only this thread's unsafe calls break the capture; another thread (an L3
+        # reader, a grammar compile) may use the runtime meanwhile.
+        options["capture_error_mode"] = "thread_local"
+    return options
 
 
 def capture_safely(

@@ -15,7 +15,8 @@ from engine.host_alloc import pinned_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
-from engine.prompt_scoring import score_prompts
+from engine.mixed_graphs import MixedGraphRunner
+from engine.prompt_scoring import score_prompts, scoring_rows
 from engine.request import Req
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduled_batch import ScheduledBatch
@@ -35,8 +36,9 @@ class StepInputs:
     sample_ends: list[int]  # index of each sampling sequence's last token
     num_decodes: int = 0  # a mixed batch: its first num_decodes sequences decode
     future_refs: bool = False  # input_ids holds references to tokens still on the device
-    # Replayed from the decode graph of its batch size, decided by rank 0 for every
-    # tensor-parallel rank: a graph's rows are padded, so all must take the same path.
+    # Replayed from the graph of its batch size (decode) or token count (mixed, never under
+    # tensor parallelism), decided by rank 0 for every tensor-parallel rank: a graph's rows
+    # are padded, so all must take the same path.
     replay: bool = False
 
 
@@ -59,6 +61,7 @@ class ModelRunner:
         graphs: DecodeGraphRunner | None = None,
         on_step: Callable[[StepInputs | None], None] | None = None,
         futures: FutureTokens | None = None,
+        mixed_graphs: MixedGraphRunner | None = None,
     ) -> None:
         self.model: Any = model  # LlamaForCausalLM-like: forward + compute_logits
         self.kv_pool = kv_pool
@@ -72,6 +75,8 @@ class ModelRunner:
         self.on_step = on_step
         # Device graphs for pure decode steps (engine/graph_runner.py); None: all eager.
         self.graphs = graphs
+        # Device graphs for steps that prefill (engine/mixed_graphs.py); None: eager.
+        self.mixed_graphs = mixed_graphs
         # Sampled tokens not yet on the host, for the overlapped loop (future_tokens.py).
         self.futures = futures
 
@@ -191,12 +196,13 @@ class ModelRunner:
         # forward's all-reduce waiting for a rank 0 that never joins. Masks are filled on
         # the host before the forward (which a GPU runs asynchronously, so they overlap).
         mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
-        inputs.replay = self._replays(inputs, bool(batch.kv_loads))
+        scores = not batch.is_decode and bool(scoring_rows(batch))
+        inputs.replay = self._replays(inputs, bool(batch.kv_loads) or scores)
         if self.on_step is not None:
             self.on_step(inputs)  # tensor parallel: the other ranks run the same forward
         logits = self._replay(inputs) if inputs.replay else None  # [B, vocab] or None
         if logits is not None:
-            return self._sample(logits, sampling, mask)
+            return self._sample(logits, sampling, mask) if sampling else None
         hidden, ends_t = self.forward(inputs, batch.kv_loads)  # [T, hidden]
         if not inputs.is_decode:
             score_prompts(hidden, batch, self.model.compute_logits, self.vocab_size)
@@ -216,19 +222,38 @@ class ModelRunner:
         assert self.futures is not None, "a reference to a future token needs the buffer"
         return self.futures
 
-    def _replays(self, inputs: StepInputs, has_loads: bool) -> bool:
-        """Whether the step of ``inputs`` replays a decode graph: pure decode steps (every
-        row samples) with no host-tier load to wait for, that fit a bucket."""
-        graphs = self.graphs
-        if graphs is None or not inputs.is_decode or has_loads:
+    def _replays(self, inputs: StepInputs, eager_only: bool) -> bool:
+        """Whether the step of ``inputs`` replays a graph: pure decode steps (every row
+        samples) that fit a batch bucket, and steps that prefill that fit a token bucket;
+        never a step that waits for a host-tier load or scores its prompt
+        (``eager_only``)."""
+        if eager_only:
             return False
-        if len(inputs.sample_ends) != len(inputs.req_rows):
+        if not inputs.is_decode:
+            mixed = self.mixed_graphs
+            count = len(inputs.input_ids)
+            return mixed is not None and mixed.bucket_of(count, len(inputs.req_rows)) is not None
+        graphs = self.graphs
+        if graphs is None or len(inputs.sample_ends) != len(inputs.req_rows):
             return False
         return graphs.can_run([s + 1 for s in inputs.prefix_lens])
 
     def _replay(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Logits ``[B, vocab]`` of the step replayed from its graph (valid until the next
-        replay); None where the graph could not be captured: run it eagerly."""
+        """Logits of the sampling rows of the step replayed from its graph (valid until
+        the next replay); None where the graph could not be captured: run it eagerly."""
+        resolve = self._futures().resolve if inputs.future_refs else None
+        if not inputs.is_decode:
+            assert self.mixed_graphs is not None, "only a runner with mixed graphs replays"
+            return self.mixed_graphs.run(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.out_slots,
+                inputs.req_rows,
+                inputs.prefix_lens,
+                inputs.extend_lens,
+                inputs.sample_ends,
+                resolve=resolve,
+            )
         assert self.graphs is not None, "only a runner with graphs replays"
         return self.graphs.run(
             inputs.input_ids,
@@ -236,7 +261,7 @@ class ModelRunner:
             inputs.out_slots,
             inputs.req_rows,
             [s + 1 for s in inputs.prefix_lens],  # [B] the new token included
-            resolve=self._futures().resolve if inputs.future_refs else None,
+            resolve=resolve,
         )
 
     def follow(self, inputs: StepInputs, kv_loads: list[Any]) -> None:
@@ -248,6 +273,8 @@ class ModelRunner:
             return
         # NOTE: a padded graph and an eager forward all-reduce tensors of different
         # shapes; a rank that cannot follow must fail, not run the other path.
+        if not inputs.is_decode:
+            raise RuntimeError("rank 0 replayed a mixed graph: they are off under TP")
         seq_lens = [s + 1 for s in inputs.prefix_lens]
         if self.graphs is None or not self.graphs.can_run(seq_lens) or self._replay(inputs) is None:
             raise RuntimeError(

@@ -9,6 +9,16 @@ from engine.kvcache.device_pool import DeviceKVPool
 from engine.layers.attention_base import AttentionBackend
 from engine.layers.attention_meta import AttentionMetadata
 
+# AttentionMetadata.cache key of an extend's layout: [2, B] first new token and count of
+# each sequence.
+EXTEND_LAYOUT = "triton_extend"
+
+
+def work_key(tokens_per_program: int) -> str:
+    """AttentionMetadata.cache key of an extend's work list ``[2, W]`` for layers whose
+    programs cover ``tokens_per_program`` new tokens (paged_attention.extend_work)."""
+    return f"triton_work:{tokens_per_program}"
+
 
 class TritonAttentionBackend(AttentionBackend):
     """Causal paged attention for GPUs with a Triton backend (CUDA, ROCm, MUSA).
@@ -20,6 +30,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     graph_safe_decode = True
+    # An extend or mixed step reads its layout from tensors (EXTEND_LAYOUT, work_key)
+    # when the caller provides them, so it can be captured too (engine/mixed_graphs.py).
+    graph_safe_extend = True
     decode_reads_pool_in_place = True
 
     def __init__(
@@ -34,6 +47,8 @@ class TritonAttentionBackend(AttentionBackend):
         from engine.layers.triton_ops import fused, paged_attention
 
         self._kernel = paged_attention.paged_attention
+        self._per_program = paged_attention.extend_tokens_per_program
+        self._work = paged_attention.extend_work
         self._store = fused.store_kv
         self._rope_store = fused.rotary_store
         self.sliding_window = sliding_window
@@ -117,7 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         else:
             # Mixed steps too: a decode row is an extend of one token.
-            q_starts, q_lens = self._extend_layout(meta, q.device)
+            q_starts, q_lens, work = self._extend_layout(meta, q.shape[1], kv_pool, q.device)
             out = self._kernel(
                 q,
                 kv_pool.k_buffers[layer_id],
@@ -127,24 +142,35 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 q_starts=q_starts,
                 q_lens=q_lens,
-                max_q_len=max(meta.extend_lens_list),
+                work=work,
+                # Rows no sequence owns (a graph's padding) stay zero, never stale memory.
+                out=torch.zeros_like(q),
                 **options,  # type: ignore[arg-type]
             )
         return out.view(num_tokens, q_heads * head_dim)
 
-    @staticmethod
     def _extend_layout(
-        meta: AttentionMetadata, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """First new token ``[B]`` and new-token count ``[B]`` of each sequence, uploaded
-        once per forward and shared by every layer."""
-        layout = meta.cache.get("triton_extend")
-        if layout is None:
+        self, meta: AttentionMetadata, q_heads: int, kv_pool: DeviceKVPool, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """First new token ``[B]`` and new-token count ``[B]`` of each sequence, and the
+        work list ``[2, W]`` (paged_attention.extend_work): uploaded once per forward and
+        shared by every layer. A captured mixed step puts static ones in the cache
+        (engine/mixed_graphs.py)."""
+        per_program = self._per_program(q_heads, kv_pool.kv_heads, kv_pool.head_dim)
+        key = work_key(per_program)
+        layout = meta.cache.get(EXTEND_LAYOUT)
+        work = meta.cache.get(key)
+        if layout is None or work is None:
             starts, offset = [], 0
             for n in meta.extend_lens_list:
                 starts.append(offset)
                 offset += n
-            layout = torch.tensor([starts, meta.extend_lens_list], dtype=torch.int64)
-            layout = layout.to(device, non_blocking=True)  # [2, B]
-            meta.cache["triton_extend"] = layout
-        return layout[0], layout[1]
+            items = self._work(meta.extend_lens_list, per_program)
+            batch = len(starts)
+            host = torch.tensor(starts + meta.extend_lens_list + items, dtype=torch.int64)
+            uploaded = host.to(device, non_blocking=True)
+            layout = uploaded[: 2 * batch].view(2, batch)
+            work = uploaded[2 * batch :].view(2, -1)
+            meta.cache[EXTEND_LAYOUT] = layout
+            meta.cache[key] = work
+        return layout[0], layout[1], work

@@ -8,7 +8,10 @@
 2. 1.1B Llama shape, bf16, decode with graphs: tok/s at batch 1 and 64;
 3. batch 64 with one 32k-token context among 63 of 512: step time against all-512;
 4. prefill of 8 x 2,048 tokens against the bf16 matmul floor of the same shapes;
-5. greedy identity in float32: graphs on/off x Triton/gather attention.
+5. greedy identity in float32: graphs on/off x Triton/gather attention, and mixed steps
+   replayed from graphs;
+6. mixed steps with graphs under steady arrivals (tests/gpu/profile_mixed.py's setting):
+   median ITL against the decode-only step, throughput against alternating steps.
 
 Uses the machine's own python3 and torch, like the device check. ``check_kernels`` also
 runs on the CPU under Triton's interpreter (tests/unit/test_kernel_goals.py).
@@ -50,6 +53,8 @@ GOALS = {
     "decode_b64_tok_s": 40000.0,
     "outlier_step_ratio": 1.5,
     "prefill_floor_fraction": 0.5,
+    "mixed_itl_over_decode_step": 1.3,
+    "mixed_tok_s_over_alternating": 1.0,
 }
 
 
@@ -65,7 +70,7 @@ def check_kernels(device: str = "cuda") -> list[tuple[str, float, float]]:
     """(case, max abs error, tolerance) of the Triton paged attention on ``device``
     against the float64 reference; raises AssertionError on the first case past it."""
     from engine.layers.triton_ops.paged_attention import paged_attention
-    from tests.unit.triton_reference import make_batch, reference_attention
+    from tests.unit.triton_reference import make_batch, reference_attention, work_list
 
     cases: list[tuple[str, dict[str, Any], dict[str, Any], torch.dtype, bool]] = [
         (
@@ -104,7 +109,7 @@ def check_kernels(device: str = "cuda") -> list[tuple[str, float, float]]:
             else {
                 "q_starts": moved["q_starts"],
                 "q_lens": moved["q_lens"],
-                "max_q_len": int(batch.q_lens.max()),
+                "work": work_list(batch).to(device),
             }
         )
         out = paged_attention(
@@ -203,16 +208,50 @@ def greedy_identity(model_dir: Path, device: str) -> dict[str, bool]:
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (7, 40, 130, 300)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = {}
-    for graphs in (False, True):
-        for backend in ("torch", "triton"):
-            engine = make_engine(
-                model_dir, device, "float32", attention_backend=backend,
-                disable_cuda_graph=not graphs, kv_cache_tokens=8192,
-            )  # fmt: skip
-            outputs[(graphs, backend)] = [o.token_ids for o in engine.generate(prompts, params)]
-            engine.close()
-    expected = outputs[(False, "torch")]
-    return {f"graphs={g} attention={b}": out == expected for (g, b), out in outputs.items()}
+    combos = [(g, b, False) for g in (False, True) for b in ("torch", "triton")]
+    for graphs, backend, mixed in [*combos, (True, "triton", True)]:
+        engine = make_engine(
+            model_dir, device, "float32", attention_backend=backend,
+            disable_cuda_graph=not graphs, kv_cache_tokens=8192,
+            enable_mixed_batches=mixed or None,
+        )  # fmt: skip
+        if mixed:
+            assert engine.runner.mixed_graphs is not None, "mixed graphs did not capture"
+        outputs[(graphs, backend, mixed)] = [o.token_ids for o in engine.generate(prompts, params)]
+        engine.close()
+    expected = outputs[(False, "torch", False)]
+    return {
+        f"graphs={g} attention={b}{' mixed graphs' if m else ''}": out == expected
+        for (g, b, m), out in outputs.items()
+    }
+
+
+def mixed_schedules(scratch: Path, device: str) -> tuple[float, float, float, float, bool]:
+    """tests/gpu/profile_mixed.py's setting once per schedule: (mixed output tok/s,
+    alternating tok/s, mixed median ITL ms, decode-only step ms at batch 16, whether the
+    mixed run replayed mixed graphs)."""
+    from bench.compare import LaunchOptions
+    from bench.mixed import decode_step_ms, engine_run
+    from bench.workloads import WorkloadConfig, generate
+    from tests.gpu.conftest import make_model
+    from tests.gpu.profile_mixed import SHAPE
+
+    model = make_model(scratch / "smol", num_hidden_layers=12, **SHAPE)
+    launch = LaunchOptions(model=str(model), device=device, dtype="bfloat16", kv_cache_tokens=32768)
+    workload = generate(
+        WorkloadConfig(
+            workload="random", seed=0, num_prompts=64, input_len=128, output_len=32,
+            range_ratio=0.5,
+        )
+    )  # fmt: skip
+    engine = make_engine(model, device, "bfloat16", enable_mixed_batches=True)
+    graphed = engine.runner.mixed_graphs is not None
+    engine.close()
+    engine_run(launch, True, workload, 8.0, 1)  # warm-up: kernels, allocator
+    mixed_tok_s, mixed_itl = engine_run(launch, True, workload, 8.0, 0)
+    alternating_tok_s, _ = engine_run(launch, False, workload, 8.0, 0)
+    step = decode_step_ms(launch, 16, 128, 30, 0)
+    return mixed_tok_s, alternating_tok_s, mixed_itl, step, graphed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,10 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         small = make_model(Path(scratch) / "small", num_hidden_layers=4)
         for combo, same in greedy_identity(small, device).items():
             rows.append((f"greedy fp32 {combo}", "same" if same else "DIFFERENT", "-", "same"))
+        mixed, alternating, itl, step, graphed = mixed_schedules(Path(scratch), device)
+        print(f"mixed steps {'replay graphs' if graphed else 'EAGER (mixed graphs off)'}")
+        rows.append(("mixed_itl_over_decode_step", f"{itl / step:.2f}", "n/a", "<= 1.3"))
+        rows.append(("mixed_tok_s_over_alternating", f"{mixed / alternating:.2f}", "n/a", ">= 1.0"))
     print(f"{'figure':40s} {'now':>12s} {'before':>12s} {'goal':>10s}")
     for name, now, before, goal in rows:
         print(f"{name:40s} {now:>12s} {before:>12s} {goal:>10s}")
-    print("mixed steps with graphs (issue 27 item 4): not implemented yet, not measured")
     return 0
 
 

@@ -15,8 +15,9 @@ import torch
 from transformers import LlamaConfig, MistralConfig, MixtralConfig
 
 from engine import EngineConfig, SamplingParams, platform
-from engine.graph_runner import WARMUP_RUNS, DecodeGraphRunner
+from engine.graph_runner import DecodeGraphRunner
 from engine.graph_setup import build_decode_graphs, graph_blockers
+from engine.graph_startup import WARMUP_RUNS
 from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM

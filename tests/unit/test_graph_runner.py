@@ -294,16 +294,20 @@ def test_only_plain_decode_steps_replay(tiny_llama_dir: Path) -> None:
     batch = engine.scheduler.schedule()
     assert batch is not None and batch.is_decode
     inputs, _ = engine.runner.step_inputs(batch)
-    assert not engine.runner._replays(inputs, has_loads=True)  # a host-tier load to wait for
+    assert not engine.runner._replays(inputs, eager_only=True)  # a host-tier load to wait for
     one_sampling = dataclasses.replace(inputs, sample_ends=inputs.sample_ends[:1])
-    assert not engine.runner._replays(one_sampling, has_loads=False)  # a row not sampling
-    assert engine.runner._replays(inputs, has_loads=False)
+    assert not engine.runner._replays(one_sampling, eager_only=False)  # a row not sampling
+    assert engine.runner._replays(inputs, eager_only=False)
     assert not runner.steps
     # A tensor-parallel worker takes the path rank 0 took: eager, or the graph.
     engine.runner.follow(inputs, [LoadToWaitFor()])
     assert not runner.steps
     engine.runner.follow(dataclasses.replace(inputs, replay=True), [])
     assert len(runner.steps) == 1
+    # Mixed graphs are off under tensor parallelism: a worker told to replay one fails.
+    mixed = dataclasses.replace(inputs, replay=True, is_decode=False)
+    with pytest.raises(RuntimeError, match="mixed graph"):
+        engine.runner.follow(mixed, [])
     # One it cannot replay (more rows than its largest graph) fails, never runs eagerly:
     # rank 0's padded graph and an eager forward would all-reduce different shapes.
     rows = runner.max_batch + 1

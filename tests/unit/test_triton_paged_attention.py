@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.layers.triton_ops.paged_attention import paged_attention
-from tests.unit.triton_reference import PagedBatch, make_batch, reference_attention
+from tests.unit.triton_reference import PagedBatch, make_batch, reference_attention, work_list
 
 
 def _run(batch: PagedBatch, decode: bool, **kwargs: object) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _run(batch: PagedBatch, decode: bool, **kwargs: object) -> torch.Tensor:
         batch.seq_lens,
         q_starts=batch.q_starts,
         q_lens=batch.q_lens,
-        max_q_len=int(batch.q_lens.max()),
+        work=work_list(batch),
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -132,3 +132,50 @@ def test_split_count_must_be_a_power_of_two() -> None:
     batch = make_batch([2], [1], q_heads=2, kv_heads=1, head_dim=8, page_size=1)
     with pytest.raises(ValueError, match="power of two"):
         _run(batch, decode=True, num_splits=3)
+
+
+def test_extend_work_list_padded_to_a_fixed_grid() -> None:
+    # A captured mixed step: the work list padded past its programs, q with rows that no
+    # sequence owns, sequences past the step's (q_len 0): the step's rows as unpadded,
+    # the padding rows untouched.
+    batch = make_batch(
+        prefix_lens=[30, 0, 4, 2, 0],
+        q_lens=[1, 19, 1, 0, 0],
+        q_heads=4,
+        kv_heads=1,
+        head_dim=8,
+        page_size=16,
+        seed=4,
+    )
+    real = int(batch.q_lens.sum())
+    padded_q = torch.cat([batch.q, torch.randn(5, 4, 8)])  # [T + 5, heads, D]
+    out = torch.full_like(padded_q, 7.0)
+    work = work_list(batch, size=40)
+    assert work.shape == (2, 40)
+    got = paged_attention(
+        padded_q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.req_table,
+        batch.req_rows,
+        batch.seq_lens,
+        q_starts=batch.q_starts,
+        q_lens=batch.q_lens,
+        work=work,
+        out=out,
+    )
+    _check(got[:real], batch)
+    assert bool((got[real:] == 7.0).all())
+
+
+def test_extend_work_list() -> None:
+    from engine.layers.triton_ops.paged_attention import PAD_BLOCK, extend_work, max_extend_work
+
+    # Three tokens a program: 7 tokens take 3 programs, 0 none, 3 one.
+    assert extend_work([7, 0, 3], 3) == [0, 0, 0, 2, 0, 1, 2, 0]
+    assert extend_work([2], 3, size=3) == [0, 0, 0, 0, PAD_BLOCK, PAD_BLOCK]
+    # The bound holds for any split of the tokens over the sequences.
+    for lens in ([1] * 8, [8], [3, 3, 2], [4, 1, 1, 1, 1]):
+        assert len(extend_work(lens, 3)) // 2 <= max_extend_work(8, len(lens), 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        extend_work([7], 3, size=2)

@@ -69,6 +69,16 @@ def make_batch(
     )
 
 
+def work_list(batch: PagedBatch, size: int | None = None) -> torch.Tensor:
+    """The extend launch's work list ``[2, W]`` of ``batch`` (padded to ``size``)."""
+    from engine.layers.triton_ops.paged_attention import extend_tokens_per_program, extend_work
+
+    _, q_heads, head_dim = batch.q.shape
+    per_program = extend_tokens_per_program(q_heads, batch.k_cache.shape[1], head_dim)
+    items = extend_work(batch.q_lens.tolist(), per_program, size)
+    return torch.tensor(items, dtype=torch.int64).view(2, -1)
+
+
 def reference_attention(
     batch: PagedBatch,
     scale: float | None = None,

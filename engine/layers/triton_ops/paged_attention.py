@@ -4,7 +4,10 @@ from the pool through the request table (no gather, no padding to a context buck
 One kernel covers decode and varlen prefill/extend with a cached prefix. A program owns
 one sequence, one block of its new tokens and one KV head; its rows are (token, q head of
 the KV head's group) pairs, so the K/V tile it loads serves the whole GQA group without
-repeating K/V. Keys are visited in blocks of ``BLOCK_N`` positions: the request table
+repeating K/V. An extend launch takes its (sequence, token block) pairs from a work list
+(``extend_work``), one program each, so its grid is the list's length: no program for the
+blocks a short sequence does not have, and a fixed grid for a list padded to a size,
+which is how a mixed step is captured in a device graph (engine/mixed_graphs.py). Keys are visited in blocks of ``BLOCK_N`` positions: the request table
 gives each position's slot, so any page size works (the table is per token).
 
 Decode splits each sequence's keys over ``num_splits`` programs (flash-decoding) and a
@@ -14,6 +17,8 @@ a decode call depends on the batch size only, never on lengths, so it can be cap
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -26,6 +31,9 @@ from engine.layers.triton_ops import interpreting
 # TODO(gpu): tune both on the H200 (tests/gpu/kernel_goals.py prints the step times).
 DECODE_SPLITS = 16
 DECODE_MIN_CHUNK = 256
+# The token block of a padding work item: past every sequence's new tokens, so its
+# program loads nothing and stores nothing.
+PAD_BLOCK = 1 << 20
 
 
 @triton.jit
@@ -49,6 +57,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [B] keys of each sequence, new tokens included
     q_starts_ptr,  # [B] first new token of each sequence in q (not read when IS_DECODE)
     q_lens_ptr,  # [B] new tokens of each sequence (not read when IS_DECODE)
+    work_ptr,  # [2, W]: sequence, token block of each program (not read when IS_DECODE)
+    num_work,
     num_tokens,
     q_heads,
     stride_qt,
@@ -76,8 +86,12 @@ def _paged_attention_kernel(
     COMPUTE_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_block = tl.program_id(1)
+    if IS_DECODE:
+        seq = tl.program_id(0)
+        q_block = 0
+    else:
+        seq = tl.load(work_ptr + tl.program_id(0)).to(tl.int32)
+        q_block = tl.load(work_ptr + num_work + tl.program_id(0)).to(tl.int32)
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
     tokens_per_block: tl.constexpr = BLOCK_M // GROUP
@@ -223,6 +237,41 @@ def _blocks(group: int, head_dim: int, decode: bool) -> tuple[int, int, int]:
     return max(64, group_rows), 64 if block_d <= 128 else 32, block_d
 
 
+@functools.cache
+def extend_tokens_per_program(q_heads: int, kv_heads: int, head_dim: int) -> int:
+    """New tokens one extend program covers: the token block of ``extend_work``."""
+    group = q_heads // kv_heads
+    block_m = _blocks(group, head_dim, decode=False)[0]
+    if block_m // group == 0:
+        raise ValueError(f"GQA group {group} does not fit a block of {block_m} rows")
+    return block_m // group
+
+
+def extend_work(q_lens: list[int], tokens_per_program: int, size: int | None = None) -> list[int]:
+    """An extend launch's work list, flattened ``[2, W]``: the sequence of each program,
+    then its token block. ``size``: pad the list to that many programs (which do nothing),
+    for a launch whose grid must not depend on the step; at least
+    ``max_extend_work(sum(q_lens), len(q_lens), tokens_per_program)``."""
+    seqs: list[int] = []
+    blocks: list[int] = []
+    for seq, n in enumerate(q_lens):
+        count = -(-n // tokens_per_program)
+        seqs.extend([seq] * count)
+        blocks.extend(range(count))
+    if size is not None:
+        if size < len(seqs):
+            raise ValueError(f"{len(seqs)} extend programs do not fit a list of {size}")
+        seqs.extend([0] * (size - len(seqs)))
+        blocks.extend([PAD_BLOCK] * (size - len(blocks)))
+    return seqs + blocks
+
+
+def max_extend_work(num_tokens: int, num_seqs: int, tokens_per_program: int) -> int:
+    """Most programs an extend of ``num_tokens`` new tokens over at most ``num_seqs``
+    sequences needs: every sequence may end in a partial block."""
+    return -(-num_tokens // tokens_per_program) + min(num_seqs, num_tokens)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, q_heads, D]
     k_cache: torch.Tensor,  # [slots, kv_heads, D]
@@ -233,7 +282,7 @@ def paged_attention(
     *,
     q_starts: torch.Tensor | None = None,  # [B] (extend); None: decode, token b is row b
     q_lens: torch.Tensor | None = None,  # [B] (extend)
-    max_q_len: int = 1,
+    work: torch.Tensor | None = None,  # [2, W] (extend): extend_work's list
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
@@ -241,11 +290,17 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, q_heads, D]
 ) -> torch.Tensor:  # [T, q_heads, D]
     """Attention of every new token over its sequence's keys (causal, optional sliding
-    window and soft-capping). Decode when ``q_starts`` is None: one token per sequence."""
+    window and soft-capping). Decode when ``q_starts`` is None: one token per sequence.
+
+    An extend writes only the rows of its sequences' new tokens: rows no sequence owns
+    (padding) keep what ``out`` held.
+    """
     num_tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
     decode = q_starts is None
+    if not decode and (q_lens is None or work is None):
+        raise ValueError("an extend needs q_starts, q_lens and its work list")
     if out is None:
         out = torch.empty_like(q)
     batch = int(seq_lens.shape[0])
@@ -254,6 +309,8 @@ def paged_attention(
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     assert req_table.stride(1) == 1
     block_m, block_n, block_d = _blocks(group, head_dim, decode)
+    if block_m // group == 0:
+        raise ValueError(f"GQA group {group} does not fit a block of {block_m} rows")
     interp = interpreting()
     if interp:  # the interpreter is numpy: small tiles keep CPU CI fast
         block_n = 16
@@ -261,9 +318,16 @@ def paged_attention(
     splits = 1 if not decode else (num_splits or (2 if interp else DECODE_SPLITS))
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
-    q_blocks = 1 if decode else triton.cdiv(max_q_len, max(1, block_m // group))
-    if block_m // group == 0:
-        raise ValueError(f"GQA group {group} does not fit a block of {block_m} rows")
+    if decode:
+        grid = (batch, 1, kv_heads * splits)
+        work, num_work = seq_lens, 0  # not read
+    else:
+        assert work is not None and work.dim() == 2 and work.shape[0] == 2
+        assert work.is_contiguous()
+        num_work = int(work.shape[1])
+        grid = (num_work, 1, kv_heads)
+        if num_work == 0:
+            return out
     if splits > 1:
         part_acc = torch.empty(
             splits, num_tokens, q_heads, head_dim, dtype=torch.float32, device=q.device
@@ -273,7 +337,7 @@ def paged_attention(
         part_acc = part_ml = out  # not written
     starts = q_starts if q_starts is not None else seq_lens
     lens = q_lens if q_lens is not None else seq_lens
-    _paged_attention_kernel[(batch, q_blocks, kv_heads * splits)](
+    _paged_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -285,6 +349,8 @@ def paged_attention(
         seq_lens,
         starts,
         lens,
+        work,
+        num_work,
         num_tokens,
         q_heads,
         q.stride(0),

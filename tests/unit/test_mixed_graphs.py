@@ -1,0 +1,243 @@
+"""Mixed steps replayed from graphs (engine/mixed_graphs.py) on the CPU: the Triton kernels
+under Triton's interpreter, the graph path with direct calls (HISERVE_DIRECT_DECODE_GRAPHS),
+so a replay runs the function built once at start-up on the static buffers: a forward
+that read a step's lists instead would compute the start-up check's layout, not the
+step's. Compared token for token with the same engine decoding eagerly."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine import Engine, EngineConfig, SamplingParams, platform
+from engine.graph_buckets import token_buckets
+from engine.graph_setup import DIRECT_GRAPHS_ENV, build_mixed_graphs
+from engine.mixed_graphs import MixedGraphRunner, mixed_blockers
+from engine.mixed_startup import capture_mixed_at_start, check_layout
+from tests.unit.test_engine import engine_for, make_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+def _engine(model_dir: Path, graphs: bool, **overrides: Any) -> Engine:
+    options: dict[str, Any] = {
+        "attention_backend": "triton",
+        "enable_mixed_batches": True,
+        "max_prefill_tokens": 48,
+        "chunked_prefill_size": 24,
+        "max_running_requests": 6,
+        "disable_cuda_graph": not graphs,
+        **overrides,
+    }
+    return engine_for(model_dir, **options)
+
+
+def _waves(engine: Engine) -> tuple[list[list[int]], list[Any]]:
+    """Streams decoding while others arrive (mixed steps): fresh prompts, a long one in
+    chunks, a prefix hit, a seeded sampled request and a scored prompt (which stays
+    eager), in the same order on every engine, driven by its loop (plain or overlapped)."""
+    loop = engine.loop
+    prompts = make_prompts(5, seed=3, lo=4, hi=30)
+    long_prompt = make_prompts(1, seed=4, lo=70, hi=71)[0]
+    first = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+    done: dict[str, Any] = {}
+
+    def step() -> None:
+        for out in loop.step():
+            if out.finished:
+                done[out.request_id] = out
+
+    while any(not engine.requests[r].output_ids for r in first):
+        step()
+    later = [
+        engine.add_request(prompts[2], GREEDY),
+        engine.add_request(long_prompt, GREEDY),
+        engine.add_request(prompts[0] + prompts[3], GREEDY),  # the first prompt's prefix
+        engine.add_request(prompts[4], SamplingParams(max_tokens=5, temperature=0.8, seed=7)),
+    ]
+    step()
+    later += [
+        engine.add_request(prompts[1][:6], GREEDY),
+        engine.add_request(
+            prompts[3], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2)
+        ),
+    ]
+    ids = first + later
+    while loop.has_work:
+        step()
+    tokens = [list(done[r].token_ids) for r in ids]
+    scored = [lp for lp in (done[ids[-1]].prompt_logprobs or []) if lp is not None]
+    return tokens, scored
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_steps_replay_graphs_with_the_eager_output(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    eager = _engine(tiny_llama_dir, graphs=False)
+    try:
+        assert eager.runner.mixed_graphs is None
+        want, want_scored = _waves(eager)
+    finally:
+        eager.close()
+    monkeypatch.setenv(DIRECT_GRAPHS_ENV, "1")
+    # Overlapped: a decode's input in a mixed step may be a token still on the device,
+    # resolved into the graph's static ids.
+    engine = _engine(tiny_llama_dir, graphs=True, disable_overlap_schedule=not overlap)
+    try:
+        assert engine.overlap is overlap
+        mixed = engine.runner.mixed_graphs
+        assert mixed is not None and engine.health()["mixed_graphs"] is True
+        assert sorted(mixed.graphs) == [16, 32, 48]
+        mixed.replays.clear()  # the start-up checks replayed each once
+        resolved: list[int] = []
+        run = mixed.run
+
+        def counting_run(*args: Any, resolve: Any = None) -> torch.Tensor:
+            resolved.append(resolve is not None)
+            return run(*args, resolve=resolve)
+
+        monkeypatch.setattr(mixed, "run", counting_run)
+        got, got_scored = _waves(engine)
+        stats = engine.stats()
+        if overlap:
+            assert engine.loop.overlapped_steps > 0  # type: ignore[attr-defined]
+        assert any(resolved) is overlap  # mixed replays over tokens still in flight
+    finally:
+        engine.close()
+    assert got == want
+    assert [s.token_id for s in got_scored] == [s.token_id for s in want_scored]
+    assert len(got_scored) > 0
+    assert [s.logprob for s in got_scored] == pytest.approx([s.logprob for s in want_scored])
+    assert stats["mixed_steps_total"] > 0
+    # Steps that prefill replayed, several token sizes among them.
+    assert sum(mixed.replays.values()) >= stats["mixed_steps_total"] - 2
+    assert len(mixed.replays) >= 2
+
+
+def test_a_replay_that_differs_leaves_mixed_steps_eager(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = _engine(tiny_llama_dir, graphs=False)
+    try:
+        runner = MixedGraphRunner(
+            engine.model, engine.kv.device_pool, engine.kv.req_table, engine.device, 32, 4
+        )
+        good = runner._bucket_forward
+
+        def off_by_one(bucket: int) -> Any:
+            forward = good(bucket)
+
+            def wrong() -> None:
+                forward()
+                runner._logits.add_(1e-3)  # past float32's tolerance
+
+            return wrong
+
+        monkeypatch.setattr(runner, "_bucket_forward", off_by_one)
+        reason = capture_mixed_at_start(runner)
+        assert reason is not None and "32 tokens: the replayed logits differ" in reason
+        assert runner.graphs == {}
+        # The same through the build: logged, and the engine keeps mixed steps eager.
+        monkeypatch.setenv(DIRECT_GRAPHS_ENV, "1")
+        monkeypatch.setattr(MixedGraphRunner, "_bucket_forward", lambda self, b: off_by_one(b))
+        decode = engine.runner.graphs
+        config = EngineConfig(model="unused", max_prefill_tokens=32, max_running_requests=4)
+        cpu = platform.DeviceSpec("cpu")
+
+        class Captured:
+            captured_at_start = True
+            api = None
+            pool = None
+
+        assert decode is None
+        with caplog.at_level(logging.WARNING):
+            built = build_mixed_graphs(
+                config, engine.model, engine.kv, Captured(), cpu, engine.device
+            )  # type: ignore[arg-type]
+        assert built is None
+        assert "mixed graphs: off, steps that prefill run eagerly" in caplog.text
+        # Without the fault the same build captures and checks every size.
+        monkeypatch.undo()
+        built = build_mixed_graphs(config, engine.model, engine.kv, Captured(), cpu, engine.device)  # type: ignore[arg-type]
+        assert built is not None and sorted(built.graphs) == [16, 32]
+    finally:
+        engine.close()
+
+
+def test_blocked_where_an_extend_cannot_be_captured(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    native = engine_for(tiny_llama_dir)  # the native CPU kernel sizes extends per sequence
+    try:
+        assert mixed_blockers(native.model) == [
+            f"attention backend {native.attention_backend!r} sizes an extend per sequence"
+        ]
+    finally:
+        native.close()
+    engine = _engine(tiny_llama_dir, graphs=False)
+    try:
+        assert mixed_blockers(engine.model) == []
+        cpu = platform.DeviceSpec("cpu")
+
+        class Captured:
+            captured_at_start = True
+            api = None
+            pool = None
+
+        tp = EngineConfig(model="unused", max_prefill_tokens=32, tensor_parallel_size=2)
+        with caplog.at_level(logging.INFO):
+            assert (
+                build_mixed_graphs(tp, engine.model, engine.kv, Captured(), cpu, engine.device)
+                is None
+            )  # type: ignore[arg-type]
+        assert "mixed graphs: off (tensor parallelism (tp=2))" in caplog.text
+        # No decode graphs, or lazily captured ones: nothing to build on.
+        lazy = Captured()
+        lazy.captured_at_start = False
+        config = EngineConfig(model="unused", max_prefill_tokens=32)
+        assert build_mixed_graphs(config, engine.model, engine.kv, lazy, cpu, engine.device) is None  # type: ignore[arg-type]
+        assert build_mixed_graphs(config, engine.model, engine.kv, None, cpu, engine.device) is None
+    finally:
+        engine.close()
+
+
+def test_bucket_of_refuses_what_does_not_fit(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, graphs=False)
+    try:
+        runner = MixedGraphRunner(
+            engine.model, engine.kv.device_pool, engine.kv.req_table, engine.device, 40, 20
+        )
+        assert runner.buckets == [16, 32, 40]
+        assert runner.bucket_of(10, 2) is None  # nothing captured yet
+        assert capture_mixed_at_start(runner) is None
+        assert runner.bucket_of(10, 2) == 16
+        assert runner.bucket_of(17, 17) == 32
+        assert runner.bucket_of(16, 17) is None  # more sequences than the bucket has rows
+        assert runner.bucket_of(41, 2) is None  # past the largest
+        assert runner.layout_of(40)[0] == 20
+    finally:
+        engine.close()
+
+
+def test_token_buckets_and_check_layout() -> None:
+    assert token_buckets(48) == [16, 32, 48]
+    assert token_buckets(4096)[:8] == [16, 32, 64, 128, 256, 512, 768, 1024]
+    assert token_buckets(4096)[-2:] == [3840, 4096]
+    assert token_buckets(1000)[-2:] == [768, 1000]
+    assert token_buckets(8) == [8]
+    # A decode and one chunk, one token short of the bucket; chunks capped by the table.
+    assert check_layout(16, 4, 100) == ([1, 1], [1, 14])
+    assert check_layout(16, 4, 6) == ([1, 1, 1, 1], [1, 5, 5, 4])
+    assert check_layout(16, 3, 6) is None
+    # The check's tokens all exist in the engine's pool at position 1.. of each sequence.
+    prefix, new = check_layout(64, 8, 4096) or ([], [])
+    assert sum(new) == 63 and torch.tensor(prefix).eq(1).all()
