@@ -40,15 +40,19 @@ def graph_blockers(model: torch.nn.Module, max_batch: int = 1) -> list[str]:
 
     Captured work must not read tensor values on the host nor take shapes from per-step
     Python values; windowed PyTorch attention loops over sequences with their own
-    lengths, and MoE routing past DEVICE_ROUTING_MAX_TOKENS reads the chosen experts back
-    to the host.
+    lengths, and MoE routing without the Triton kernels reads the chosen experts back to
+    the host past DEVICE_ROUTING_MAX_TOKENS.
     """
     reasons: set[str] = set()
     for module in model.modules():
         backend = getattr(module, "attn_backend", None)
         if backend is not None and not getattr(backend, "graph_safe_decode", False):
             reasons.add(f"attention backend {backend.name!r} sizes its work per sequence")
-        if isinstance(module, SparseMoE) and max_batch > DEVICE_ROUTING_MAX_TOKENS:
+        if (
+            isinstance(module, SparseMoE)
+            and module.fused_experts is None
+            and max_batch > DEVICE_ROUTING_MAX_TOKENS
+        ):
             reasons.add(
                 f"mixture-of-experts routing reads the chosen experts on the host past "
                 f"{DEVICE_ROUTING_MAX_TOKENS} tokens (--cuda-graph-max-bs to stay under it)"

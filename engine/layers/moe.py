@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward: a router picks top-k experts per token, each a gated
 MLP; plain PyTorch (one matmul pair per expert that received tokens), correct on every
-device. Used by Mixtral and Qwen3-MoE."""
+device, and on GPUs where Triton runs the grouped kernels of
+engine/layers/triton_ops/fused_moe.py. Used by Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from torch import nn
 
 from engine.layers.linear import ALL_SHARDS, FusedLinear, activation_fn
 
-# Steps of at most this many tokens on an accelerator route on the device, with no host
-# sync (decode, graph-capturable); each expert then computes a block of this many rows,
-# so past it (prefill) the per-expert loop's one sync per layer is the cheaper cost.
+# Without the Triton kernels, steps of at most this many tokens on an accelerator route
+# on the device, with no host sync (decode, graph-capturable); each expert then computes
+# a block of this many rows, so past it (prefill) the per-expert loop's one sync per
+# layer is the cheaper cost. With them (fused_experts) every step routes on the device.
 DEVICE_ROUTING_MAX_TOKENS = 256
 
 # Checkpoint projection names (Mixtral w1/w3/w2, Qwen gate/up/down) -> half of w13 or w2.
@@ -50,7 +52,11 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.act = activation_fn(activation)
+        # (x, w13, w2, experts, weights) -> out: the Triton grouped kernels, set by
+        # triton_ops.fused.use_triton_fused_ops for SwiGLU experts on a GPU; None: PyTorch.
+        self.fused_experts: Callable[..., torch.Tensor] | None = None
         # Tensor parallelism: each rank holds a slice of every expert's intermediate
         # size, so the output is a partial sum that this all-reduce completes.
         self.output_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -75,7 +81,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, hidden] -> [T, hidden]
         experts, weights = self.route(x)
-        if routes_on_device(x.device.type, x.shape[0]):
+        if self.fused_experts is not None:
+            out = self.fused_experts(x, self.w13, self.w2, experts, weights)
+        elif routes_on_device(x.device.type, x.shape[0]):
             out = self.grouped_on_device(x, experts, weights)
         else:
             out = self.per_expert(x, experts, weights)
@@ -93,7 +101,9 @@ class SparseMoE(nn.Module):
         num_tokens, top_k = experts.shape
         flat = experts.reshape(-1)  # [T * k]
         order = torch.argsort(flat, stable=True)  # [T * k] assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        # NOTE: not torch.bincount, which reads the largest value on the host on CUDA.
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
         starts = torch.cumsum(counts, 0) - counts  # [E] first sorted assignment per expert
         rows = torch.arange(num_tokens, device=x.device)  # [T]
         valid = rows[None, :] < counts[:, None]  # [E, T]

@@ -4,7 +4,8 @@
     python3 tests/gpu/kernel_goals.py [--quick]
 
 1. the Triton kernels against the float64 reference on the device (decode with splits,
-   varlen extend over a prefix, windows + soft-capping, bf16);
+   varlen extend over a prefix, windows + soft-capping, bf16), and the MoE kernels
+   against the per-expert loop, both timed;
 2. 1.1B Llama shape, bf16, decode with graphs: tok/s at batch 1 and 64;
 3. batch 64 with one 32k-token context among 63 of 512: step time against all-512;
 4. prefill of 8 x 2,048 tokens against the bf16 matmul floor of the same shapes;
@@ -20,6 +21,7 @@ runs on the CPU under Triton's interpreter (tests/unit/test_kernel_goals.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -184,6 +186,40 @@ def matmul_floor(config: dict[str, Any], tokens: int, device: str) -> float:
     return total * config["num_hidden_layers"]
 
 
+def check_moe(device: str = "cuda") -> list[tuple[str, float, float, float]]:
+    """(case, max abs error against the per-expert PyTorch loop, its ms, the Triton
+    kernels' ms) of the MoE kernels on ``device``, Mixtral-like widths (8 experts, top
+    2); raises AssertionError on an error past the dtype's tolerance."""
+    from engine.layers.moe import SparseMoE
+    from engine.layers.triton_ops.fused_moe import fused_experts
+
+    torch.manual_seed(0)
+    hidden, inter = (1024, 1536) if device != "cpu" else (64, 96)
+    moe = SparseMoE(hidden, inter, 8, 2, renormalize=True).to(device)
+    moe.gate.weight.data.normal_()
+    moe.w13.data.normal_(std=0.02)
+    moe.w2.data.normal_(std=0.02)
+    results = []
+    for tokens in (1, 64, 2048) if device != "cpu" else (1, 9):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(tokens, hidden, device=device).to(dtype)
+            w13, w2 = moe.w13.data.to(dtype), moe.w2.data.to(dtype)
+            experts, weights = moe.route(x.float())
+            weights = weights.to(dtype)
+            reference = SparseMoE(hidden, inter, 8, 2, renormalize=True).to(device, dtype)
+            reference.w13.data, reference.w2.data = w13, w2
+            loop = functools.partial(reference.per_expert, x, experts, weights)
+            fused = functools.partial(fused_experts, x, w13, w2, experts, weights)
+            want, got = loop().float(), fused().float()
+            error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+            tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+            name = f"moe {str(dtype)[6:]} {tokens} tokens"
+            assert error <= tolerance, f"{name}: relative error {error:.3g} > {tolerance}"
+            loop_ms, fused_ms = 1e3 * timed(loop, device), 1e3 * timed(fused, device)
+            results.append((name, error, loop_ms, fused_ms))
+    return results
+
+
 def timed(fn: Callable[[], Any], device: str, repeats: int = 5) -> float:
     fn()
     sync(device)
@@ -266,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# issue 27 goals, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device}")
     for name, error, tolerance in check_kernels(device):
         print(f"kernel {name:24s} max error {error:.2e} (tolerance {tolerance:g})  ok")
+    for name, error, loop_ms, fused_ms in check_moe(device):
+        print(
+            f"kernel {name:24s} relative error {error:.2e}  ok; per-expert loop "
+            f"{loop_ms:.3f} ms, Triton {fused_ms:.3f} ms"
+        )
     config = dict(LLAMA_1B, num_hidden_layers=4 if args.quick else 22)
     rows: list[tuple[str, str, str, str]] = []
     with tempfile.TemporaryDirectory() as scratch:

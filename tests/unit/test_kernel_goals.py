@@ -22,7 +22,14 @@ SCRIPT = Path(kernel_goals.__file__)
 def test_script_parses_and_has_a_main() -> None:
     tree = ast.parse(SCRIPT.read_text())
     names = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    assert {"main", "check_kernels", "matmul_floor", "greedy_identity"} <= names
+    assert {
+        "main",
+        "check_kernels",
+        "check_moe",
+        "matmul_floor",
+        "greedy_identity",
+        "mixed_schedules",
+    } <= names
 
 
 @pytest.mark.slow
@@ -39,6 +46,28 @@ def test_kernel_check_runs_under_the_interpreter_and_catches_a_wrong_kernel(
     monkeypatch.setattr(kernels, "paged_attention", off_by_a_little)
     with pytest.raises(AssertionError, match="decode fp32 splits"):
         kernel_goals.check_kernels("cpu")
+
+
+def test_moe_check_runs_under_the_interpreter_and_catches_a_wrong_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.layers.triton_ops import fused_moe
+
+    results = kernel_goals.check_moe("cpu")
+    assert [name for name, *_ in results] == [
+        "moe float32 1 tokens",
+        "moe bfloat16 1 tokens",
+        "moe float32 9 tokens",
+        "moe bfloat16 9 tokens",
+    ]
+    real = fused_moe.fused_experts
+
+    def one_choice_only(x: Any, w13: Any, w2: Any, experts: Any, weights: Any) -> torch.Tensor:
+        return real(x, w13, w2, experts[:, :1], weights[:, :1])
+
+    monkeypatch.setattr(fused_moe, "fused_experts", one_choice_only)
+    with pytest.raises(AssertionError, match="moe float32 1 tokens"):
+        kernel_goals.check_moe("cpu")
 
 
 def test_matmul_floor_times_every_layers_projections(monkeypatch: pytest.MonkeyPatch) -> None:

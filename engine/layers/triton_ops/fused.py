@@ -121,11 +121,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def use_triton_fused_ops(model: nn.Module) -> int:
-    """Switch ``model``'s RMSNorm, SwiGLU and RoPE layers to the Triton kernels; returns
-    how many switched. The caller checks that Triton runs on the model's device."""
+    """Switch ``model``'s RMSNorm, SwiGLU, RoPE and SwiGLU-expert layers to the Triton
+    kernels; returns how many switched. The caller checks that Triton runs on the
+    model's device."""
     from engine.layers.linear import GatedMLP
+    from engine.layers.moe import SparseMoE
     from engine.layers.rmsnorm import RMSNorm
     from engine.layers.rotary import apply_rotary
+    from engine.layers.triton_ops.fused_moe import fused_experts
 
     switched = 0
     for module in model.modules():
@@ -134,6 +137,8 @@ def use_triton_fused_ops(model: nn.Module) -> int:
             module.fused_add_norm = add_rms_norm
         elif type(module) is GatedMLP and module.activation == "silu":
             module.act_mul = silu_mul
+        elif type(module) is SparseMoE and module.activation == "silu":
+            module.fused_experts = fused_experts
         elif getattr(module, "rotary_fn", None) is apply_rotary:
             backend = getattr(module, "attn_backend", None)
             if getattr(backend, "fuses_rope_store", False):
