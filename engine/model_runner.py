@@ -196,7 +196,8 @@ class ModelRunner:
         # forward's all-reduce waiting for a rank 0 that never joins. Masks are filled on
         # the host before the forward (which a GPU runs asynchronously, so they overlap).
         mask = self.masker.fill(sampling) if self.masker is not None and sampling else None
-        scores = not batch.is_decode and bool(scoring_rows(batch))
+        # A step that scores its prompt reads every token's hidden state: never replayed.
+        scores = self.mixed_graphs is not None and not batch.is_decode and bool(scoring_rows(batch))
         inputs.replay = self._replays(inputs, bool(batch.kv_loads) or scores)
         if self.on_step is not None:
             self.on_step(inputs)  # tensor parallel: the other ranks run the same forward

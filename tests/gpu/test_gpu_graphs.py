@@ -164,3 +164,76 @@ def test_decode_speed_with_and_without_graphs(small_model_dir: Path, figures: Fi
             round(results[(True, batch)] / results[(False, batch)], 2),
             "x",
         )
+
+
+def mixed_waves(engine: Engine, seed: int) -> list[list[int]]:
+    """Streams decoding while others arrive, so steps mix decodes and prefill chunks (a
+    long prompt in several), driven by the engine's loop."""
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = [engine.add_request(p, params) for p in prompts(3, 30, seed=seed)]
+    final: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.loop.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+
+    while any(not engine.requests[r].output_ids for r in first):
+        step()
+    later = [
+        engine.add_request([rng.randrange(3, VOCAB) for _ in range(n)], params)
+        for n in (5, 200, 41, 17)
+    ]
+    while engine.loop.has_work:
+        step()
+    return [final[i] for i in first + later]
+
+
+def test_fp32_mixed_steps_replay_graphs_and_match_eager(tiny_model_dir: Path) -> None:
+    options: dict[str, Any] = dict(
+        kv_cache_tokens=4096,
+        attention_backend="triton",
+        enable_mixed_batches=True,
+        max_prefill_tokens=96,
+        chunked_prefill_size=64,
+    )
+    eager = engine_for(tiny_model_dir, disable_cuda_graph=True, **options)
+    expected = mixed_waves(eager, seed=4)
+    eager.close()
+    engine = engine_for(tiny_model_dir, **options)
+    mixed = engine.runner.mixed_graphs
+    assert mixed is not None, "mixed graphs are off on CUDA (see the engine's log)"
+    assert engine.health()["mixed_graphs"] is True
+    mixed.replays.clear()  # the start-up checks
+    got = mixed_waves(engine, seed=4)
+    assert got == expected
+    assert sum(mixed.replays.values()) >= engine.stats()["mixed_steps_total"] > 0
+    engine.close()
+
+
+def test_mixed_replays_never_sync_the_host(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_for(
+        tiny_model_dir, kv_cache_tokens=4096, attention_backend="triton",
+        enable_mixed_batches=True, max_prefill_tokens=64,
+    )  # fmt: skip
+    mixed = engine.runner.mixed_graphs
+    assert mixed is not None
+    real_run = mixed.run
+    replayed: list[int] = []
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = real_run(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        replayed.append(len(args[0]))
+        return logits
+
+    monkeypatch.setattr(mixed, "run", run)
+    mixed_waves(engine, seed=6)
+    assert replayed
+    engine.close()

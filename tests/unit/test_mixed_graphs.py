@@ -119,7 +119,7 @@ def test_mixed_steps_replay_graphs_with_the_eager_output(
     assert [s.logprob for s in got_scored] == pytest.approx([s.logprob for s in want_scored])
     assert stats["mixed_steps_total"] > 0
     # Steps that prefill replayed, several token sizes among them.
-    assert sum(mixed.replays.values()) >= stats["mixed_steps_total"] - 2
+    assert sum(mixed.replays.values()) >= stats["mixed_steps_total"]
     assert len(mixed.replays) >= 2
 
 
