@@ -340,8 +340,13 @@ class Engine:
         return self.kv.flush()
 
     def stats(self) -> dict[str, float]:
-        """KV use per tier, queue lengths and the totals since start (see EngineStats)."""
-        return self.reporter.snapshot()
+        """KV use per tier, queue lengths and the totals since start (see EngineStats),
+        with the steps replayed from device graphs."""
+        stats = self.reporter.snapshot()
+        decode, mixed = self.runner.graphs, self.runner.mixed_graphs
+        stats["decode_graph_replays_total"] = sum(decode.replays.values()) if decode else 0
+        stats["mixed_graph_replays_total"] = sum(mixed.replays.values()) if mixed else 0
+        return stats
 
     def health(self) -> dict[str, object]:
         return {

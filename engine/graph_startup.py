@@ -152,6 +152,7 @@ def capture_at_start(
             failure = settle(check_replay(runner, batch), f"the replay check of batch {batch}")
         if failure is not None:
             return failure
+    runner.replays.clear()  # the checks' replays: count serving steps only
     logger.info(
         "device graphs: captured %d batch sizes %s at start-up in %.2f s%s%s",
         len(runner.batch_buckets),

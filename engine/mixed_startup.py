@@ -32,6 +32,7 @@ def capture_mixed_at_start(runner: MixedGraphRunner, check: bool = True) -> str 
         if failure is not None:
             runner.graphs.clear()
             return failure
+    runner.replays.clear()  # the checks' replays: count serving steps only
     logger.info(
         "mixed graphs: captured %d token sizes %s (up to %d sequences) at start-up in %.2f s%s",
         len(runner.buckets),

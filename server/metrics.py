@@ -91,6 +91,16 @@ _PLAIN_COUNTERS = (
         "Forward passes holding decode tokens and prefill chunks together.",
         "mixed_steps_total",
     ),
+    (
+        "decode_graph_replays_total",
+        "Decode steps replayed from device graphs.",
+        "decode_graph_replays_total",
+    ),
+    (
+        "mixed_graph_replays_total",
+        "Steps that prefill (with or without decodes) replayed from device graphs.",
+        "mixed_graph_replays_total",
+    ),
     ("hicache_backup_tokens_total", "Tokens copied device -> host.", "backup_tokens_total"),
     ("hicache_backup_bytes_total", "Bytes copied device -> host.", "backup_bytes_total"),
     ("hicache_loadback_tokens_total", "Tokens copied host -> device.", "loadback_tokens_total"),

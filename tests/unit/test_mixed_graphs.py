@@ -97,7 +97,7 @@ def test_mixed_steps_replay_graphs_with_the_eager_output(
         mixed = engine.runner.mixed_graphs
         assert mixed is not None and engine.health()["mixed_graphs"] is True
         assert sorted(mixed.graphs) == [16, 32, 48]
-        mixed.replays.clear()  # the start-up checks replayed each once
+        assert not mixed.replays  # the start-up checks' replays are not counted
         resolved: list[int] = []
         run = mixed.run
 
@@ -120,6 +120,9 @@ def test_mixed_steps_replay_graphs_with_the_eager_output(
     assert stats["mixed_steps_total"] > 0
     # Steps that prefill replayed, several token sizes among them.
     assert sum(mixed.replays.values()) >= stats["mixed_steps_total"]
+    # Reported in stats() (and so in /metrics), serving steps only.
+    assert stats["mixed_graph_replays_total"] == sum(mixed.replays.values())
+    assert stats["decode_graph_replays_total"] > 0
     assert len(mixed.replays) >= 2
 
 
