@@ -18,10 +18,12 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     """Token counts a mixed step is padded to (engine/mixed_graphs.py): powers of two from
-    ``smallest`` to 512, then every 256, always ending at ``max_tokens`` (padding costs
-    at most a quarter of a step past 1,024 tokens)."""
+    ``smallest`` to 512, then every 256 to 4,096, every 1,024 to 16,384, every 4,096
+    beyond, always ending at ``max_tokens``: padding costs at most a quarter of a step
+    past 1,024 tokens, and a 16k prefill budget needs 32 graphs, not 70."""
     sizes = [s for s in (16, 32, 64, 128, 256, 512) if s >= smallest]
-    sizes += list(range(768, max_tokens + 1, 256))
+    sizes += [*range(768, 4097, 256), *range(5120, 16385, 1024)]
+    sizes += range(20480, max_tokens + 1, 4096)
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 

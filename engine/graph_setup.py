@@ -22,11 +22,11 @@ from engine import graph_startup, platform
 from engine.config import EngineConfig
 from engine.graph_buckets import batch_buckets
 from engine.graph_runner import DecodeGraphRunner, decode_in_place
+from engine.graph_startup import capture_mixed_at_start
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.moe import DEVICE_ROUTING_MAX_TOKENS, SparseMoE
 from engine.mixed_graphs import MixedGraphRunner, mixed_blockers
-from engine.mixed_startup import capture_mixed_at_start
 
 logger = logging.getLogger(__name__)
 

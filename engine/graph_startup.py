@@ -1,6 +1,7 @@
 """Device graphs made safe to use: a capture that cannot leave the backend capturing, and
-the start-up pass that captures every batch size, largest first, and checks each replay
-once against the eager forward before the server reports healthy.
+the start-up passes that capture every decode batch size and every mixed-step token
+size, largest first, and check each replay once against the eager forward before the
+server reports healthy.
 
 A failure anywhere in the start-up pass turns graphs off before serving starts, with the
 reason logged; nothing is captured on the serving path afterwards.
@@ -9,18 +10,23 @@ reason logged; nothing is captured on the serving path afterwards.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from engine import platform
+from engine.kvcache.device_pool import DeviceKVPool
+from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.graph_runner import DecodeGraphRunner
+    from engine.mixed_graphs import MixedGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -166,66 +172,187 @@ def capture_at_start(
 
 def check_replay(runner: DecodeGraphRunner, batch: int) -> str | None:
     """Run one decode step of ``batch`` rows eagerly and from its graph; the difference
-    when past the dtype's tolerance, else None.
+    when past the dtype's tolerance, else None (``check_step`` says where it runs)."""
+    step = check_step(runner, [1] * batch, seed=batch)
+    if step is None:
+        return None  # not at start-up, or too small a pool to check in: nothing to compare
+    eager = eager_logits(runner, step)
+    logits = runner.run(step.input_ids, step.positions, step.out_slots, step.rows, [2] * batch)
+    assert logits is not None, "run() after capture returns logits"
+    return compare_logits(logits, eager, runner.kv_pool.dtype, f"batch {batch}")
 
-    The step uses request-table rows ``0..batch-1`` and KV slots ``1..2*batch``: nothing
-    is allocated before serving, so they are free, and serving overwrites them before
-    reading (each row: a random cached key at slot ``2b+1``, the new token at ``2b+2``).
+
+class GraphParts(Protocol):
+    """What a start-up check reads of a graph runner (decode or mixed)."""
+
+    model: Any
+    kv_pool: DeviceKVPool
+    req_table: ReqTable
+    device: torch.device
+
+
+@dataclass
+class CheckStep:
+    """A step for a start-up replay check: sequence ``b`` in request-table row ``b`` has
+    one cached key (random K/V) and ``extend_lens[b]`` new tokens."""
+
+    rows: list[int]
+    extend_lens: list[int]
+    input_ids: list[int]
+    positions: list[int]
+    out_slots: torch.Tensor  # [T] int64 on the CPU
+    sample_ends: list[int]  # the last token of each sequence
+
+    @property
+    def prefix_lens(self) -> list[int]:
+        return [1] * len(self.rows)
+
+
+def check_step(runner: GraphParts, extend_lens: list[int], seed: int) -> CheckStep | None:
+    """Write the table rows and cached keys of a check step of ``extend_lens`` and return
+    it; None where it cannot run: not at start-up (a row in use), or too few rows, slots
+    or table columns.
+
+    It uses rows from 0 and KV slots from 1 (each sequence: its cached key, then its new
+    tokens): nothing is allocated before serving, so they are free, and serving
+    overwrites them before reading.
     """
     table, pool = runner.req_table, runner.kv_pool
-    if table.free_rows < table.max_rows or pool.num_slots <= 2 * batch or batch > table.max_rows:
-        return None  # not at start-up, or too small a pool to check in: nothing to compare
-    rows = list(range(batch))
-    cached = torch.arange(1, 2 * batch + 1, 2)  # [batch]
-    new = cached + 1  # [batch]
-    for row in rows:
-        table.write(row, 0, torch.stack([cached[row], new[row]]))
+    if table.free_rows < table.max_rows or len(extend_lens) > table.max_rows:
+        return None
+    if sum(extend_lens) + len(extend_lens) >= pool.num_slots:
+        return None
+    if max(extend_lens) + 1 > table.max_context:
+        return None
+    rows = list(range(len(extend_lens)))
+    out_slots: list[int] = []
+    cached: list[int] = []
+    slot = 1
+    for row, n in zip(rows, extend_lens):
+        table.write(row, 0, torch.arange(slot, slot + 1 + n))
+        cached.append(slot)
+        out_slots.extend(range(slot + 1, slot + 1 + n))
+        slot += 1 + n
     table.flush()
-    gen = torch.Generator().manual_seed(batch)
-    noise = torch.randn(2, pool.num_layers, batch, pool.kv_heads, pool.head_dim, generator=gen)
-    pool.kv_buffer[:, :, cached.to(pool.device)] = noise.to(pool.device, pool.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(
+        2, pool.num_layers, len(cached), pool.kv_heads, pool.head_dim, generator=gen
+    )
+    pool.kv_buffer[:, :, torch.tensor(cached).to(pool.device)] = noise.to(pool.device, pool.dtype)
     vocab = int(runner.model.model.embed_tokens.shape[0])
-    input_ids = [(17 + 31 * b) % vocab for b in rows]
-    positions, seq_lens = [1] * batch, [2] * batch
-    eager = _eager_logits(runner, input_ids, positions, new, rows, seq_lens)
-    logits = runner.run(input_ids, positions, new, rows, seq_lens)
-    assert logits is not None, "run() after capture returns logits"
-    replayed = logits.float()
-    tolerance = REPLAY_TOLERANCE.get(pool.dtype, 1e-2)
-    diff = (replayed - eager).abs().max().item() if replayed.numel() else 0.0
-    if not diff <= tolerance:  # NaN fails too
-        return (
-            f"batch {batch}: the replayed logits differ from eager by {diff:.3g} "
-            f"(tolerance {tolerance:g} for {pool.dtype})"
-        )
-    return None
+    return CheckStep(
+        rows=rows,
+        extend_lens=list(extend_lens),
+        input_ids=[(17 + 31 * i) % vocab for i in range(len(out_slots))],
+        positions=[p for n in extend_lens for p in range(1, 1 + n)],
+        out_slots=torch.tensor(out_slots, dtype=torch.int64),
+        sample_ends=[end - 1 for end in itertools.accumulate(extend_lens)],
+    )
 
 
-def _eager_logits(
-    runner: DecodeGraphRunner,
-    input_ids: list[int],
-    positions: list[int],
-    out_slots: torch.Tensor,
-    rows: list[int],
-    seq_lens: list[int],
-) -> torch.Tensor:
-    """The same decode step through the eager forward: ``[batch, vocab]`` float32."""
+def eager_logits(runner: GraphParts, step: CheckStep) -> torch.Tensor:
+    """``step`` through the eager forward: its sampling rows' logits, float32."""
     device = runner.device
 
     def upload(values: list[int] | torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(values, dtype=torch.int64).to(device)
 
+    seq_lens = [1 + n for n in step.extend_lens]
     meta = AttentionMetadata(
-        is_decode=True,
-        out_slots=upload(out_slots),
-        req_rows=upload(rows),
+        is_decode=all(n == 1 for n in step.extend_lens),
+        out_slots=upload(step.out_slots),
+        req_rows=upload(step.rows),
         seq_lens=upload(seq_lens),
         req_table=runner.req_table.table,
-        prefix_lens_list=[n - 1 for n in seq_lens],
-        extend_lens_list=[1] * len(seq_lens),
-        seq_lens_list=list(seq_lens),
+        prefix_lens_list=step.prefix_lens,
+        extend_lens_list=step.extend_lens,
+        seq_lens_list=seq_lens,
         max_seq_len=max(seq_lens),
-        req_rows_list=list(rows),
+        req_rows_list=step.rows,
     )
-    hidden = runner.model(upload(input_ids), upload(positions), meta, runner.kv_pool)
+    hidden = runner.model(upload(step.input_ids), upload(step.positions), meta, runner.kv_pool)
+    if hidden.shape[0] != len(step.sample_ends):
+        hidden = hidden.index_select(0, upload(step.sample_ends))
     return runner.model.compute_logits(hidden).float().clone()  # type: ignore[no-any-return]
+
+
+def compare_logits(
+    replayed: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype, what: str
+) -> str | None:
+    """Why a replay's logits are not the eager forward's (past the tolerance for the KV
+    pool's ``dtype``), or None."""
+    tolerance = REPLAY_TOLERANCE.get(dtype, 1e-2)
+    diff = (replayed.float() - eager).abs().max().item() if replayed.numel() else 0.0
+    if not diff <= tolerance:  # NaN fails too
+        return (
+            f"{what}: the replayed logits differ from eager by {diff:.3g} "
+            f"(tolerance {tolerance:g} for {dtype})"
+        )
+    return None
+
+
+# ---- mixed steps (engine/mixed_graphs.py) -------------------------------------------------
+
+
+@torch.inference_mode()  # as serving runs them
+def capture_mixed_at_start(runner: MixedGraphRunner, check: bool = True) -> str | None:
+    """Capture every token bucket, largest first, each replay checked once against the
+    eager forward; the failure reason, or None. On failure no graph is kept."""
+    started = time.perf_counter()
+    for bucket in reversed(runner.buckets):
+        try:
+            runner.capture(bucket)
+        except Exception as exc:
+            runner.graphs.clear()
+            return f"capturing {bucket} tokens failed ({type(exc).__name__}: {exc})"
+        failure = check_mixed_replay(runner, bucket) if check else None
+        if failure is not None:
+            runner.graphs.clear()
+            return failure
+    runner.replays.clear()  # the checks' replays: count serving steps only
+    logger.info(
+        "mixed graphs: captured %d token sizes %s (up to %d sequences) at start-up in %.2f s%s",
+        len(runner.buckets),
+        runner.buckets,
+        runner.layout_of(runner.max_tokens)[0],
+        time.perf_counter() - started,
+        ", each replay checked against eager" if check else "",
+    )
+    return None
+
+
+def check_layout(bucket: int, seqs: int, max_context: int) -> list[int] | None:
+    """New tokens per sequence of the start-up check of ``bucket`` (each sequence has one
+    cached key): a decode, then prefill chunks that the table's width holds, one token
+    short of the bucket (so padding is checked too); None where they need more than
+    ``seqs`` sequences."""
+    total = bucket - 1 if bucket > 2 else bucket
+    new = [1]
+    left = total - 1
+    while left > 0:
+        chunk = min(left, max_context - 1)
+        new.append(chunk)
+        left -= chunk
+    return new if len(new) <= seqs else None
+
+
+def check_mixed_replay(runner: MixedGraphRunner, bucket: int) -> str | None:
+    """Run a mixed step of ``bucket`` eagerly and from its graph; the difference when past
+    the dtype's tolerance, else None (check_step says where it runs)."""
+    table = runner.req_table
+    seqs = runner.layout_of(bucket)[0]
+    layout = check_layout(bucket, min(seqs, table.max_rows), table.max_context)
+    step = check_step(runner, layout, seed=bucket) if layout else None
+    if step is None:
+        return None  # not at start-up, or a table or pool too small to check in
+    eager = eager_logits(runner, step)
+    replayed = runner.run(
+        step.input_ids,
+        step.positions,
+        step.out_slots,
+        step.rows,
+        step.prefix_lens,
+        step.extend_lens,
+        step.sample_ends,
+    )
+    return compare_logits(replayed, eager, runner.kv_pool.dtype, f"{bucket} tokens")

@@ -20,7 +20,7 @@ Padded tokens write their K/V to the pool's dummy slot 0 and no program attends 
 rows read token 0, and their logits are dropped.
 
 All buckets are captured at start-up, largest first, into the decode graphs' memory pool,
-and each replay is checked once against the eager forward (engine/mixed_startup.py); a
+and each replay is checked once against the eager forward (engine/graph_startup.py); a
 failure leaves mixed steps eager (logged), never during serving. Without a graph API the same code runs with direct
 calls (``api=None``), as the decode graphs do.
 """
@@ -269,7 +269,7 @@ class MixedGraphRunner:
         return lay.seqs, lay.work
 
     def capture(self, bucket: int) -> Replayable:
-        """Capture ``bucket``'s graph now (mixed_startup does, at start-up)."""
+        """Capture ``bucket``'s graph now (graph_startup.capture_mixed_at_start does)."""
         started = time.perf_counter()
         # Padding only: warm-up runs really execute, and must write nothing but slot 0.
         self._copy_in(bucket, [], [], torch.zeros(0, dtype=torch.int64), [], [], [], [])

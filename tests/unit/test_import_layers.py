@@ -66,7 +66,6 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.graph_startup": 4,
     "engine.graph_buckets": 4,
     "engine.mixed_graphs": 4,
-    "engine.mixed_startup": 4,
     "engine.prompt_scoring": 4,
     "engine.loader": 5,
     "engine.model_runner": 5,
