@@ -22,7 +22,7 @@ from engine.config import EngineConfig, default_max_prefill_tokens
 from engine.future_tokens import FutureTokens
 from engine.grammar import EngineGrammars
 from engine.graph_runner import DecodeGraphRunner
-from engine.graph_setup import build_decode_graphs, build_mixed_graphs
+from engine.graph_setup import build_decode_graphs, build_mixed_graphs, mixed_batches_on
 from engine.heap import keep_freed_memory, trim_heap
 from engine.kv_setup import KVSetup, build_kv
 from engine.kvcache.transfer import KVTransfer, TransferFactory
@@ -135,24 +135,22 @@ def _build_on(
     )
     if tp is not None:
         tp.share_geometry(kv)  # the workers build their KV, then capture with rank 0
+    gather = tp.gather if tp is not None else None
     graphs: DecodeGraphRunner | None = build_decode_graphs(
-        config, model, kv, device_spec, device, gather=tp.gather if tp is not None else None
+        config, model, kv, device_spec, device, gather=gather
     )
+    # Right after the decode graphs, on every tensor-parallel rank (engine/tp/worker.py).
+    mixed_graphs = build_mixed_graphs(config, model, kv, graphs, device_spec, device, gather)
     if tp is not None:
-        # The start-up replay check's table writes: every rank made its own.
+        # The start-up replay checks' table writes: every rank made its own.
         tp.table_journal.clear()
-    mixed = config.enable_mixed_batches
-    if mixed is None:  # auto: graphed decode steps beat mixed ones
-        mixed = graphs is None
+    mixed = mixed_batches_on(config, graphs)
     if config.max_prefill_tokens is None:
         prefill_tokens = default_max_prefill_tokens(device.type)
         logger.info(
             "prefill: at most %d prompt tokens a step (%s default)", prefill_tokens, device.type
         )
         config = dataclasses.replace(config, max_prefill_tokens=prefill_tokens)
-    mixed_graphs = (
-        build_mixed_graphs(config, model, kv, graphs, device_spec, device) if mixed else None
-    )
     scheduler = Scheduler(config, kv.manager, max_model_len, mixed=mixed)
     vocab_size = int(hf_config.vocab_size)
     sampler = Sampler(vocab_size, device, seed=config.seed)

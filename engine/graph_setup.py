@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import torch
 
 from engine import graph_startup, platform
-from engine.config import EngineConfig
-from engine.graph_buckets import batch_buckets
+from engine.config import EngineConfig, default_max_prefill_tokens
+from engine.graph_buckets import batch_buckets, token_buckets
 from engine.graph_runner import DecodeGraphRunner, decode_in_place
 from engine.graph_startup import capture_mixed_at_start
 from engine.kvcache.device_pool import DeviceKVPool
@@ -168,6 +168,15 @@ def build_decode_graphs(
     return runner
 
 
+def mixed_batches_on(config: EngineConfig, decode: DecodeGraphRunner | None) -> bool:
+    """Whether steps mix decodes and prefill chunks: as asked, else (auto) where decode
+    steps do not replay graphs (a graphed decode step beat an eager mixed one on an H200;
+    docs/performance.md, "Mixed batches")."""
+    if config.enable_mixed_batches is not None:
+        return config.enable_mixed_batches
+    return decode is None
+
+
 def build_mixed_graphs(
     config: EngineConfig,
     model: Any,
@@ -175,21 +184,30 @@ def build_mixed_graphs(
     decode: DecodeGraphRunner | None,
     spec: platform.DeviceSpec,
     device: torch.device,
+    gather: Gather | None = None,
 ) -> MixedGraphRunner | None:
     """Graphs for the steps that prefill (alone or beside decodes), every token bucket up
-    to ``config.max_prefill_tokens`` captured and checked now; None (logged) where those
-    steps stay eager: decode graphs off or captured lazily, tensor parallelism, or a model
-    whose extend cannot be captured. Called only where mixed batches are on."""
-    if decode is None or not decode.captured_at_start:
-        return None  # decode is eager, or the gather fallback: so are mixed steps
-    max_tokens = config.max_prefill_tokens
-    assert max_tokens is not None, "the build settles max_prefill_tokens first"
-    why = None
-    if config.tensor_parallel_size > 1:
-        why = f"tensor parallelism (tp={config.tensor_parallel_size})"
-    else:
-        blockers = graph_blockers(model, max_tokens) + mixed_blockers(model)
-        why = "; ".join(blockers) or None
+    to the prefill budget captured and checked now; None (logged) where those steps stay
+    eager: mixed batches off, decode graphs off or captured lazily, or a model whose
+    extend cannot be captured.
+
+    Every tensor-parallel rank calls this right after ``build_decode_graphs`` (whose
+    outcome they share), with ``gather``: the ranks agree on the token sizes, capture in
+    lockstep and stop together at the first failure of any, as for decode.
+    """
+    tp = config.tensor_parallel_size > 1
+    if tp and gather is None:
+        raise ValueError("tensor-parallel ranks agree on mixed graphs: pass gather")
+    if decode is None or not decode.captured_at_start or not mixed_batches_on(config, decode):
+        return None  # the same on every rank: decode graphs are agreed, the config shared
+    max_tokens = config.max_prefill_tokens or default_max_prefill_tokens(device.type)
+    why = "; ".join(graph_blockers(model, max_tokens) + mixed_blockers(model)) or None
+    buckets = token_buckets(max_tokens) if why is None else None
+    if tp:
+        assert gather is not None
+        views = gather(buckets)
+        if why is None and any(view != buckets for view in views):
+            why = f"the tensor-parallel ranks would capture {views} token sizes, not the same"
     if why is not None:
         logger.info("mixed graphs: off (%s); steps that prefill run eagerly", why)
         return None
@@ -204,7 +222,7 @@ def build_mixed_graphs(
         spec=spec,
         pool=decode.pool,
     )
-    failure = capture_mixed_at_start(runner)
+    failure = capture_mixed_at_start(runner, gather=gather if tp else None)
     if failure is not None:
         logger.warning("mixed graphs: off, steps that prefill run eagerly: %s", failure)
         return None

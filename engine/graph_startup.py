@@ -137,14 +137,6 @@ def capture_at_start(
     the first failure of any, so no rank goes on to replay (and all-reduce) alone.
     """
 
-    def settle(failure: str | None, what: str) -> str | None:
-        if gather is None:
-            return failure
-        failed = [rank for rank, ok in enumerate(gather(failure is None)) if not ok]
-        if failure is None and failed:
-            return f"tensor-parallel rank {failed[0]} failed {what} (its log says why)"
-        return failure
-
     started = time.perf_counter()
     context = runner.context_buckets[-1]
     for batch in reversed(runner.batch_buckets):
@@ -153,9 +145,10 @@ def capture_at_start(
             runner.capture(batch, context)
         except Exception as exc:
             failure = f"capturing batch {batch} failed ({type(exc).__name__}: {exc})"
-        failure = settle(failure, f"capturing batch {batch}")
+        failure = _settle(gather, failure, f"capturing batch {batch}")
         if failure is None and check:
-            failure = settle(check_replay(runner, batch), f"the replay check of batch {batch}")
+            failure = check_replay(runner, batch)
+            failure = _settle(gather, failure, f"the replay check of batch {batch}")
         if failure is not None:
             return failure
     runner.replays.clear()  # the checks' replays: count serving steps only
@@ -168,6 +161,20 @@ def capture_at_start(
         ", in lockstep with the other tensor-parallel ranks" if gather is not None else "",
     )
     return None
+
+
+def _settle(
+    gather: Callable[[Any], list[Any]] | None, failure: str | None, what: str
+) -> str | None:
+    """This rank's ``failure`` (None: it went well), or, under tensor parallelism, the
+    first other rank's: the ranks share after each capture and check whether theirs went
+    well, so all stop at the first failure of any."""
+    if gather is None:
+        return failure
+    failed = [rank for rank, ok in enumerate(gather(failure is None)) if not ok]
+    if failure is None and failed:
+        return f"tensor-parallel rank {failed[0]} failed {what} (its log says why)"
+    return failure
 
 
 def check_replay(runner: DecodeGraphRunner, batch: int) -> str | None:
@@ -295,28 +302,37 @@ def compare_logits(
 
 
 @torch.inference_mode()  # as serving runs them
-def capture_mixed_at_start(runner: MixedGraphRunner, check: bool = True) -> str | None:
+def capture_mixed_at_start(
+    runner: MixedGraphRunner,
+    check: bool = True,
+    gather: Callable[[Any], list[Any]] | None = None,
+) -> str | None:
     """Capture every token bucket, largest first, each replay checked once against the
-    eager forward; the failure reason, or None. On failure no graph is kept."""
+    eager forward; the failure reason, or None. On failure no graph is kept.
+    ``gather``: tensor-parallel ranks in lockstep, as ``capture_at_start``."""
     started = time.perf_counter()
     for bucket in reversed(runner.buckets):
+        failure = None
         try:
             runner.capture(bucket)
         except Exception as exc:
-            runner.graphs.clear()
-            return f"capturing {bucket} tokens failed ({type(exc).__name__}: {exc})"
-        failure = check_mixed_replay(runner, bucket) if check else None
+            failure = f"capturing {bucket} tokens failed ({type(exc).__name__}: {exc})"
+        failure = _settle(gather, failure, f"capturing {bucket} tokens")
+        if failure is None and check:
+            failure = check_mixed_replay(runner, bucket)
+            failure = _settle(gather, failure, f"the replay check of {bucket} tokens")
         if failure is not None:
             runner.graphs.clear()
             return failure
     runner.replays.clear()  # the checks' replays: count serving steps only
     logger.info(
-        "mixed graphs: captured %d token sizes %s (up to %d sequences) at start-up in %.2f s%s",
+        "mixed graphs: captured %d token sizes %s (up to %d sequences) at start-up in %.2f s%s%s",
         len(runner.buckets),
         runner.buckets,
         runner.layout_of(runner.max_tokens)[0],
         time.perf_counter() - started,
         ", each replay checked against eager" if check else "",
+        ", in lockstep with the other tensor-parallel ranks" if gather is not None else "",
     )
     return None
 

@@ -36,9 +36,9 @@ class StepInputs:
     sample_ends: list[int]  # index of each sampling sequence's last token
     num_decodes: int = 0  # a mixed batch: its first num_decodes sequences decode
     future_refs: bool = False  # input_ids holds references to tokens still on the device
-    # Replayed from the graph of its batch size (decode) or token count (mixed, never under
-    # tensor parallelism), decided by rank 0 for every tensor-parallel rank: a graph's rows
-    # are padded, so all must take the same path.
+    # Replayed from the graph of its batch size (decode) or token count (steps that
+    # prefill), decided by rank 0 for every tensor-parallel rank: a graph's rows are
+    # padded, so all must take the same path.
     replay: bool = False
 
 
@@ -274,11 +274,14 @@ class ModelRunner:
             return
         # NOTE: a padded graph and an eager forward all-reduce tensors of different
         # shapes; a rank that cannot follow must fail, not run the other path.
-        if not inputs.is_decode:
-            raise RuntimeError("rank 0 replayed a mixed graph: they are off under TP")
-        seq_lens = [s + 1 for s in inputs.prefix_lens]
-        if self.graphs is None or not self.graphs.can_run(seq_lens) or self._replay(inputs) is None:
-            raise RuntimeError(
-                f"rank 0 replayed a decode graph of {len(seq_lens)} rows that this rank "
-                "cannot replay"
-            )
+        if inputs.is_decode:
+            seq_lens = [s + 1 for s in inputs.prefix_lens]
+            can = self.graphs is not None and self.graphs.can_run(seq_lens)
+            what = f"a decode graph of {len(seq_lens)} rows"
+        else:
+            mixed = self.mixed_graphs
+            count = len(inputs.input_ids)
+            can = mixed is not None and mixed.bucket_of(count, len(inputs.req_rows)) is not None
+            what = f"a mixed graph of {count} tokens"
+        if not can or self._replay(inputs) is None:
+            raise RuntimeError(f"rank 0 replayed {what} that this rank cannot replay")

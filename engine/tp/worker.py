@@ -9,6 +9,7 @@ forward waits in a collective that rank 0 will never join.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine import dtypes, loader, platform
-from engine.graph_setup import build_decode_graphs
+from engine.graph_setup import build_decode_graphs, build_mixed_graphs
 from engine.heap import keep_freed_memory
 from engine.layers.parallel_linear import TPShard
 from engine.model_runner import ModelRunner
@@ -93,10 +94,10 @@ def serve_rank(spec: WorkerSpec) -> None:
     agreed_kv_config(config, model.config, device_spec, kv_dtype, control)
     geometry: KVGeometry = receive(control)
     kv = RankKV(geometry, model.config, kv_dtype, device, device_spec)
-    # In lockstep with rank 0's build_decode_graphs (engine/build.py).
-    graphs = build_decode_graphs(
-        config, model, kv, device_spec, device, gather=lambda value: gather(value, control)
-    )
+    # In lockstep with rank 0's build_decode_graphs and build_mixed_graphs (engine/build.py).
+    share = functools.partial(gather, control=control)
+    graphs = build_decode_graphs(config, model, kv, device_spec, device, gather=share)
+    mixed_graphs = build_mixed_graphs(config, model, kv, graphs, device_spec, device, share)
     runner = ModelRunner(
         model,
         kv.device_pool,
@@ -105,6 +106,7 @@ def serve_rank(spec: WorkerSpec) -> None:
         device,
         (),
         graphs=graphs,
+        mixed_graphs=mixed_graphs,
     )
     logger.info("rank %d ready on %s", spec.rank, device_spec)
     try:
@@ -122,6 +124,12 @@ def serve_rank(spec: WorkerSpec) -> None:
                 "rank %d: %d decode steps replayed from device graphs",
                 spec.rank,
                 sum(graphs.replays.values()),
+            )
+        if mixed_graphs is not None:
+            logger.info(
+                "rank %d: %d steps that prefill replayed from device graphs",
+                spec.rank,
+                sum(mixed_graphs.replays.values()),
             )
     # NOTE: destroy is collective on NCCL; leaving the group must not wait for rank 0.
     collectives.leave_group(dist.get_backend())

@@ -304,9 +304,9 @@ def test_only_plain_decode_steps_replay(tiny_llama_dir: Path) -> None:
     assert not runner.steps
     engine.runner.follow(dataclasses.replace(inputs, replay=True), [])
     assert len(runner.steps) == 1
-    # Mixed graphs are off under tensor parallelism: a worker told to replay one fails.
+    # A worker without mixed graphs told to replay one fails.
     mixed = dataclasses.replace(inputs, replay=True, is_decode=False)
-    with pytest.raises(RuntimeError, match="mixed graph"):
+    with pytest.raises(RuntimeError, match="mixed graph of 2 tokens that this rank cannot"):
         engine.runner.follow(mixed, [])
     # One it cannot replay (more rows than its largest graph) fails, never runs eagerly:
     # rank 0's padded graph and an eager forward would all-reduce different shapes.

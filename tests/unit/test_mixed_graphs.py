@@ -126,52 +126,150 @@ def test_mixed_steps_replay_graphs_with_the_eager_output(
     assert len(mixed.replays) >= 2
 
 
+class Captured:
+    """Decode graphs captured at start-up, as build_mixed_graphs reads them (direct calls)."""
+
+    captured_at_start = True
+    api = None
+    pool = None
+
+
+class OtherRank:
+    """A tensor-parallel gather whose other rank answers ``answers`` in turn; records
+    what this rank shared."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+        self.calls: list[Any] = []
+
+    def __call__(self, value: Any) -> list[Any]:
+        self.calls.append(value)
+        return [value, self.answers[len(self.calls) - 1]]
+
+
+def _config(**overrides: Any) -> EngineConfig:
+    return EngineConfig(
+        model="unused",
+        max_prefill_tokens=32,
+        max_running_requests=4,
+        enable_mixed_batches=True,
+        **overrides,
+    )
+
+
+def _off_by_a_little(runner_cls: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every mixed graph's logits a little off the eager forward's."""
+    good = runner_cls._bucket_forward
+
+    def wrong_forward(self: Any, bucket: int) -> Any:
+        forward = good(self, bucket)
+
+        def wrong() -> None:
+            forward()
+            self._logits.add_(1e-3)  # past float32's tolerance
+
+        return wrong
+
+    monkeypatch.setattr(runner_cls, "_bucket_forward", wrong_forward)
+
+
 def test_a_replay_that_differs_leaves_mixed_steps_eager(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = _engine(tiny_llama_dir, graphs=False)
+    cpu = platform.DeviceSpec("cpu")
     try:
-        runner = MixedGraphRunner(
-            engine.model, engine.kv.device_pool, engine.kv.req_table, engine.device, 32, 4
-        )
-        good = runner._bucket_forward
-
-        def off_by_one(bucket: int) -> Any:
-            forward = good(bucket)
-
-            def wrong() -> None:
-                forward()
-                runner._logits.add_(1e-3)  # past float32's tolerance
-
-            return wrong
-
-        monkeypatch.setattr(runner, "_bucket_forward", off_by_one)
-        reason = capture_mixed_at_start(runner)
-        assert reason is not None and "32 tokens: the replayed logits differ" in reason
-        assert runner.graphs == {}
-        # The same through the build: logged, and the engine keeps mixed steps eager.
-        monkeypatch.setenv(DIRECT_GRAPHS_ENV, "1")
-        monkeypatch.setattr(MixedGraphRunner, "_bucket_forward", lambda self, b: off_by_one(b))
-        decode = engine.runner.graphs
-        config = EngineConfig(model="unused", max_prefill_tokens=32, max_running_requests=4)
-        cpu = platform.DeviceSpec("cpu")
-
-        class Captured:
-            captured_at_start = True
-            api = None
-            pool = None
-
-        assert decode is None
-        with caplog.at_level(logging.WARNING):
-            built = build_mixed_graphs(
-                config, engine.model, engine.kv, Captured(), cpu, engine.device
-            )  # type: ignore[arg-type]
-        assert built is None
-        assert "mixed graphs: off, steps that prefill run eagerly" in caplog.text
+        with monkeypatch.context() as patch:
+            _off_by_a_little(MixedGraphRunner, patch)
+            runner = MixedGraphRunner(
+                engine.model, engine.kv.device_pool, engine.kv.req_table, engine.device, 32, 4
+            )
+            reason = capture_mixed_at_start(runner)
+            assert reason is not None and "32 tokens: the replayed logits differ" in reason
+            assert runner.graphs == {}
+            # The same through the build: logged, and mixed steps stay eager.
+            with caplog.at_level(logging.WARNING):
+                built = build_mixed_graphs(
+                    _config(),
+                    engine.model,
+                    engine.kv,
+                    Captured(),
+                    cpu,
+                    engine.device,  # type: ignore[arg-type]
+                )
+            assert built is None
+            assert "mixed graphs: off, steps that prefill run eagerly" in caplog.text
         # Without the fault the same build captures and checks every size.
-        monkeypatch.undo()
-        built = build_mixed_graphs(config, engine.model, engine.kv, Captured(), cpu, engine.device)  # type: ignore[arg-type]
+        built = build_mixed_graphs(
+            _config(),
+            engine.model,
+            engine.kv,
+            Captured(),
+            cpu,
+            engine.device,  # type: ignore[arg-type]
+        )
         assert built is not None and sorted(built.graphs) == [16, 32]
+    finally:
+        engine.close()
+
+
+def test_tensor_parallel_ranks_agree_on_mixed_graphs(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = _engine(tiny_llama_dir, graphs=False)
+    cpu = platform.DeviceSpec("cpu")
+    config = _config(tensor_parallel_size=2)
+
+    def build(gather: Any) -> MixedGraphRunner | None:
+        return build_mixed_graphs(
+            config,
+            engine.model,
+            engine.kv,
+            Captured(),
+            cpu,
+            engine.device,
+            gather,  # type: ignore[arg-type]
+        )
+
+    try:
+        with pytest.raises(ValueError, match="pass gather"):
+            build(None)
+        # A rank that cannot capture, or would capture other sizes: none does.
+        for answer in (None, [16]):
+            other = OtherRank([answer])
+            with caplog.at_level(logging.INFO):
+                assert build(other) is None
+            assert f"ranks would capture [[16, 32], {answer}] token sizes" in caplog.text
+            assert other.calls == [[16, 32]]
+        # The other rank fails its check of 32 tokens: both stop there, before 16.
+        other = OtherRank([[16, 32], True, False])
+        with caplog.at_level(logging.WARNING):
+            assert build(other) is None
+        assert "tensor-parallel rank 1 failed the replay check of 32 tokens" in caplog.text
+        assert other.calls == [[16, 32], True, True]
+        # This rank fails its own check: it says so to the other rank and stops too.
+        with monkeypatch.context() as patch:
+            _off_by_a_little(MixedGraphRunner, patch)
+            other = OtherRank([[16, 32], True, True])
+            assert build(other) is None
+            assert other.calls == [[16, 32], True, False]
+        # Both well: every size captured and checked, each outcome shared.
+        other = OtherRank([[16, 32]] + [True] * 4)
+        runner = build(other)
+        assert runner is not None and sorted(runner.graphs) == [16, 32]
+        assert other.calls == [[16, 32]] + [True] * 4
+        # Decode graphs off on every rank, or mixed batches not asked for: nothing shared.
+        other = OtherRank([])
+        assert (
+            build_mixed_graphs(config, engine.model, engine.kv, None, cpu, engine.device, other)
+            is None
+        )
+        auto = EngineConfig(model="unused", tensor_parallel_size=2)
+        assert (
+            build_mixed_graphs(auto, engine.model, engine.kv, Captured(), cpu, engine.device, other)
+            is None
+        )  # type: ignore[arg-type]
+        assert other.calls == []
     finally:
         engine.close()
 
@@ -181,34 +279,33 @@ def test_blocked_where_an_extend_cannot_be_captured(
 ) -> None:
     native = engine_for(tiny_llama_dir)  # the native CPU kernel sizes extends per sequence
     try:
-        assert mixed_blockers(native.model) == [
-            f"attention backend {native.attention_backend!r} sizes an extend per sequence"
-        ]
+        reason = f"attention backend {native.attention_backend!r} sizes an extend per sequence"
+        assert mixed_blockers(native.model) == [reason]
+        cpu = platform.DeviceSpec("cpu")
+        with caplog.at_level(logging.INFO):
+            built = build_mixed_graphs(
+                _config(),
+                native.model,
+                native.kv,
+                Captured(),
+                cpu,
+                native.device,  # type: ignore[arg-type]
+            )
+        assert built is None and f"mixed graphs: off ({reason})" in caplog.text
     finally:
         native.close()
     engine = _engine(tiny_llama_dir, graphs=False)
     try:
         assert mixed_blockers(engine.model) == []
         cpu = platform.DeviceSpec("cpu")
-
-        class Captured:
-            captured_at_start = True
-            api = None
-            pool = None
-
-        tp = EngineConfig(model="unused", max_prefill_tokens=32, tensor_parallel_size=2)
-        with caplog.at_level(logging.INFO):
-            assert (
-                build_mixed_graphs(tp, engine.model, engine.kv, Captured(), cpu, engine.device)
-                is None
-            )  # type: ignore[arg-type]
-        assert "mixed graphs: off (tensor parallelism (tp=2))" in caplog.text
         # No decode graphs, or lazily captured ones: nothing to build on.
         lazy = Captured()
         lazy.captured_at_start = False
-        config = EngineConfig(model="unused", max_prefill_tokens=32)
-        assert build_mixed_graphs(config, engine.model, engine.kv, lazy, cpu, engine.device) is None  # type: ignore[arg-type]
-        assert build_mixed_graphs(config, engine.model, engine.kv, None, cpu, engine.device) is None
+        for decode in (lazy, None):
+            built = build_mixed_graphs(
+                _config(), engine.model, engine.kv, decode, cpu, engine.device
+            )  # type: ignore[arg-type]
+            assert built is None
     finally:
         engine.close()
 

@@ -159,6 +159,43 @@ def test_two_ranks_replay_decode_graphs_in_lockstep(
 
 
 @pytest.mark.slow  # two worker start-ups
+def test_two_ranks_replay_mixed_graphs_in_lockstep(
+    tiny_llama_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # Mixed batches with graphs: steps that prefill replay graphs per token size on both
+    # ranks (the Triton kernels under the interpreter, inherited by the worker), captured
+    # in lockstep after the decode graphs.
+    options: dict[str, Any] = {
+        "attention_backend": "triton",
+        "enable_mixed_batches": True,
+        "max_prefill_tokens": 48,
+    }
+    eager = _engine(tiny_llama_dir, 1, disable_cuda_graph=True, **options)
+    try:
+        expected, _, _ = _conversations(eager)
+    finally:
+        eager.close()
+    monkeypatch.setenv(DIRECT_GRAPHS_ENV, "1")
+    with caplog.at_level(logging.INFO):  # the workers log at rank 0's level
+        engine = _engine(tiny_llama_dir, 2, **options)
+        mixed = engine.runner.mixed_graphs
+        try:
+            assert mixed is not None and engine.health()["mixed_graphs"] is True
+            outputs, _, _ = _conversations(engine)
+        finally:
+            engine.close()
+    assert outputs == expected
+    replayed = sum(mixed.replays.values())
+    assert replayed > 0
+    log = capfd.readouterr().err
+    assert "[tp rank 1]" in log and "mixed graphs: captured 3 token sizes" in log
+    assert f"rank 1: {replayed} steps that prefill replayed from device graphs" in log
+
+
+@pytest.mark.slow  # two worker start-ups
 def test_two_ranks_with_a_bf16_pool_give_the_output_of_one(tiny_llama_dir: Path) -> None:
     # --kv-cache-dtype reaches the workers: each rank's pool is bf16, sized alike.
     outputs = {}
