@@ -34,7 +34,7 @@ import torch
 
 from engine import graph_startup, platform
 from engine.graph_buckets import MIN_CONTEXT_BUCKET, batch_buckets, bucket_for, context_buckets
-from engine.host_alloc import pinned_empty
+from engine.host_alloc import staging_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
@@ -229,10 +229,7 @@ class DecodeGraphRunner:
         buffer (pinned on accelerators) filled by a fixed number of tensor operations,
         whatever the batch, and one asynchronous copy."""
         size = len(seq_lens)
-        if self.device.type != "cpu":
-            staged = pinned_empty((len(INPUT_ROWS), batch), torch.int64)
-        else:
-            staged = torch.empty(len(INPUT_ROWS), batch, dtype=torch.int64)
+        staged = staging_empty((len(INPUT_ROWS), batch), torch.int64, self.device)
         staged[:, size:] = self._pad_column  # [5, batch - B] the dummy row's values
         # Every row but out_slots (already a tensor) in one conversion.
         staged[_LIST_ROWS, :size] = torch.tensor([input_ids, positions, req_rows, seq_lens])

@@ -139,18 +139,15 @@ def capture_at_start(
 
     started = time.perf_counter()
     context = runner.context_buckets[-1]
-    for batch in reversed(runner.batch_buckets):
-        failure = None
-        try:
-            runner.capture(batch, context)
-        except Exception as exc:
-            failure = f"capturing batch {batch} failed ({type(exc).__name__}: {exc})"
-        failure = _settle(gather, failure, f"capturing batch {batch}")
-        if failure is None and check:
-            failure = check_replay(runner, batch)
-            failure = _settle(gather, failure, f"the replay check of batch {batch}")
-        if failure is not None:
-            return failure
+    failure = _capture_each(
+        runner.batch_buckets,
+        lambda batch: runner.capture(batch, context),
+        (lambda batch: check_replay(runner, batch)) if check else None,
+        lambda batch: f"batch {batch}",
+        gather,
+    )
+    if failure is not None:
+        return failure
     runner.replays.clear()  # the checks' replays: count serving steps only
     logger.info(
         "device graphs: captured %d batch sizes %s at start-up in %.2f s%s%s",
@@ -160,6 +157,30 @@ def capture_at_start(
         ", each replay checked against eager" if check else "",
         ", in lockstep with the other tensor-parallel ranks" if gather is not None else "",
     )
+    return None
+
+
+def _capture_each(
+    sizes: list[int],
+    capture: Callable[[int], Any],
+    check: Callable[[int], str | None] | None,
+    name: Callable[[int], str],
+    gather: Callable[[Any], list[Any]] | None,
+) -> str | None:
+    """Capture each of ``sizes``, largest first (later, smaller graphs reuse its pool
+    memory), each followed by its ``check``; the first failure (this rank's or, with
+    ``gather``, another rank's), or None."""
+    for size in reversed(sizes):
+        failure = None
+        try:
+            capture(size)
+        except Exception as exc:
+            failure = f"capturing {name(size)} failed ({type(exc).__name__}: {exc})"
+        failure = _settle(gather, failure, f"capturing {name(size)}")
+        if failure is None and check is not None:
+            failure = _settle(gather, check(size), f"the replay check of {name(size)}")
+        if failure is not None:
+            return failure
     return None
 
 
@@ -311,19 +332,16 @@ def capture_mixed_at_start(
     eager forward; the failure reason, or None. On failure no graph is kept.
     ``gather``: tensor-parallel ranks in lockstep, as ``capture_at_start``."""
     started = time.perf_counter()
-    for bucket in reversed(runner.buckets):
-        failure = None
-        try:
-            runner.capture(bucket)
-        except Exception as exc:
-            failure = f"capturing {bucket} tokens failed ({type(exc).__name__}: {exc})"
-        failure = _settle(gather, failure, f"capturing {bucket} tokens")
-        if failure is None and check:
-            failure = check_mixed_replay(runner, bucket)
-            failure = _settle(gather, failure, f"the replay check of {bucket} tokens")
-        if failure is not None:
-            runner.graphs.clear()
-            return failure
+    failure = _capture_each(
+        runner.buckets,
+        runner.capture,
+        (lambda bucket: check_mixed_replay(runner, bucket)) if check else None,
+        lambda bucket: f"{bucket} tokens",
+        gather,
+    )
+    if failure is not None:
+        runner.graphs.clear()
+        return failure
     runner.replays.clear()  # the checks' replays: count serving steps only
     logger.info(
         "mixed graphs: captured %d token sizes %s (up to %d sequences) at start-up in %.2f s%s%s",

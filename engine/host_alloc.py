@@ -316,6 +316,17 @@ def alloc_host(
     raise ValueError(f"unknown host allocation method {method!r}; one of {HOST_ALLOC_METHODS}")
 
 
+def staging_empty(
+    shape: Sequence[int] | int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A host buffer a step's inputs are gathered in before one copy to ``device``:
+    pinned (``pinned_empty``) for an accelerator, so the copy does not wait for the
+    queued work; plain memory for the CPU, where the copy is a move."""
+    if device.type != "cpu":
+        return pinned_empty(shape, dtype)
+    return torch.empty((shape,) if isinstance(shape, int) else tuple(shape), dtype=dtype)
+
+
 def pinned_empty(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
     """A small host buffer for one asynchronous upload or download, from the backend's
     caching host allocator, which keeps it from reuse until the copies recorded on it

@@ -38,7 +38,7 @@ import torch
 from engine import graph_startup, platform
 from engine.graph_buckets import bucket_for, token_buckets
 from engine.graph_runner import DirectCall, Replayable, logits_width
-from engine.host_alloc import pinned_empty
+from engine.host_alloc import staging_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
@@ -204,10 +204,7 @@ class MixedGraphRunner:
         from engine.layers.triton_ops.paged_attention import extend_work
 
         lay = self._layouts[bucket]
-        if self.device.type != "cpu":
-            staged = pinned_empty((lay.size,), torch.int64)
-        else:
-            staged = torch.empty(lay.size, dtype=torch.int64)
+        staged = staging_empty(lay.size, torch.int64, self.device)
         n, b = len(input_ids), len(req_rows)
         tokens = staged[: lay.seq_at].view(len(TOKEN_ROWS), lay.tokens)
         seqs = staged[lay.seq_at : lay.sample_at].view(len(SEQ_ROWS), lay.seqs)

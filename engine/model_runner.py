@@ -11,7 +11,7 @@ import torch
 from engine.future_tokens import FutureTokens
 from engine.grammar import TokenMasker
 from engine.graph_runner import DecodeGraphRunner
-from engine.host_alloc import pinned_empty
+from engine.host_alloc import staging_empty
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.kvcache.req_table import ReqTable
 from engine.layers.attention_meta import AttentionMetadata
@@ -88,10 +88,7 @@ class ModelRunner:
         accelerators) and the copy asynchronous, so the host runs ahead of the device.
         """
         sizes = [len(p) if isinstance(p, list) else p.numel() for p in parts]
-        if self.device.type != "cpu":
-            host = pinned_empty(sum(sizes), torch.int64)
-        else:
-            host = torch.empty(sum(sizes), dtype=torch.int64)
+        host = staging_empty(sum(sizes), torch.int64, self.device)
         offset = 0
         for part, size in zip(parts, sizes):
             values = part if isinstance(part, torch.Tensor) else torch.tensor(part)
