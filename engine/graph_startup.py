@@ -360,6 +360,8 @@ def check_layout(bucket: int, seqs: int, max_context: int) -> list[int] | None:
     cached key): a decode, then prefill chunks that the table's width holds, one token
     short of the bucket (so padding is checked too); None where they need more than
     ``seqs`` sequences."""
+    if max_context < 2:
+        return None  # no room for a cached key and a new token
     total = bucket - 1 if bucket > 2 else bucket
     new = [1]
     left = total - 1

@@ -340,4 +340,5 @@ def test_token_buckets_and_check_layout() -> None:
     assert check_layout(16, 4, 100) == [1, 14]
     assert check_layout(16, 4, 6) == [1, 5, 5, 4]
     assert check_layout(16, 3, 6) is None
+    assert check_layout(16, 40, 1) is None  # a table one column wide holds no chunk
     assert sum(check_layout(64, 8, 4096) or []) == 63
