@@ -88,3 +88,12 @@ class Figures:
 @pytest.fixture(scope="session")
 def figures() -> Figures:
     return Figures(os.environ.get(REPORT_ENV))
+
+
+def forbidding_syncs(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with any host sync on CUDA raising an error."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

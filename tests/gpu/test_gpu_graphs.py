@@ -14,7 +14,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.graph_runner import DecodeGraphRunner
-from tests.gpu.conftest import VOCAB, Figures
+from tests.gpu.conftest import VOCAB, Figures, forbidding_syncs
 from tests.gpu.test_gpu_engine import decode_speed, engine_for, prompts
 
 pytestmark = pytest.mark.cuda
@@ -98,11 +98,7 @@ def test_replayed_steps_never_sync_the_host(
         # overlapped loop's future-token references, swapped on the device.
         if runner.bucket_of(args[4]) not in runner.graphs:
             return real_run(*args, **kwargs)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            logits = real_run(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        logits = forbidding_syncs(real_run, *args, **kwargs)
         replayed.append(len(args[4]))
         return logits
 
@@ -224,11 +220,7 @@ def test_mixed_replays_never_sync_the_host(
     replayed: list[int] = []
 
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            logits = real_run(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        logits = forbidding_syncs(real_run, *args, **kwargs)
         replayed.append(len(args[0]))
         return logits
 

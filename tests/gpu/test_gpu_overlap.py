@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from engine import SamplingParams
 from engine.scheduled_batch import ScheduledBatch
 from engine.step_loop import LaunchedStep
-from tests.gpu.conftest import VOCAB
+from tests.gpu.conftest import VOCAB, forbidding_syncs
 from tests.gpu.test_gpu_engine import engine_for, multiturn, prompts
 
 pytestmark = pytest.mark.cuda
@@ -68,11 +67,7 @@ def test_launching_a_decode_step_never_waits(tiny_model_dir: Path) -> None:
     def launch(batch: ScheduledBatch, keep_future: bool = False) -> LaunchedStep:
         if not (batch.is_decode and any(r.future_ids for r in batch.reqs)):
             return real_launch(batch, keep_future)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step = real_launch(batch, keep_future)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        step = forbidding_syncs(real_launch, batch, keep_future)
         checked.append(len(batch.reqs))
         return step
 

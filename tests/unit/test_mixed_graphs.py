@@ -157,6 +157,18 @@ def _config(**overrides: Any) -> EngineConfig:
     )
 
 
+CPU = platform.DeviceSpec("cpu")
+CAPTURED = Captured()
+
+
+def _build(
+    engine: Engine, config: EngineConfig, decode: Any = CAPTURED, gather: Any = None
+) -> MixedGraphRunner | None:
+    """build_mixed_graphs for ``engine``'s model and KV over ``decode`` (by default decode
+    graphs captured at start-up)."""
+    return build_mixed_graphs(config, engine.model, engine.kv, decode, CPU, engine.device, gather)
+
+
 def _off_by_a_little(runner_cls: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every mixed graph's logits a little off the eager forward's."""
     good = runner_cls._bucket_forward
@@ -177,7 +189,6 @@ def test_a_replay_that_differs_leaves_mixed_steps_eager(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = _engine(tiny_llama_dir, graphs=False)
-    cpu = platform.DeviceSpec("cpu")
     try:
         with monkeypatch.context() as patch:
             _off_by_a_little(MixedGraphRunner, patch)
@@ -189,25 +200,11 @@ def test_a_replay_that_differs_leaves_mixed_steps_eager(
             assert runner.graphs == {}
             # The same through the build: logged, and mixed steps stay eager.
             with caplog.at_level(logging.WARNING):
-                built = build_mixed_graphs(
-                    _config(),
-                    engine.model,
-                    engine.kv,
-                    Captured(),
-                    cpu,
-                    engine.device,  # type: ignore[arg-type]
-                )
+                built = _build(engine, _config())
             assert built is None
             assert "mixed graphs: off, steps that prefill run eagerly" in caplog.text
         # Without the fault the same build captures and checks every size.
-        built = build_mixed_graphs(
-            _config(),
-            engine.model,
-            engine.kv,
-            Captured(),
-            cpu,
-            engine.device,  # type: ignore[arg-type]
-        )
+        built = _build(engine, _config())
         assert built is not None and sorted(built.graphs) == [16, 32]
     finally:
         engine.close()
@@ -217,19 +214,10 @@ def test_tensor_parallel_ranks_agree_on_mixed_graphs(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = _engine(tiny_llama_dir, graphs=False)
-    cpu = platform.DeviceSpec("cpu")
     config = _config(tensor_parallel_size=2)
 
     def build(gather: Any) -> MixedGraphRunner | None:
-        return build_mixed_graphs(
-            config,
-            engine.model,
-            engine.kv,
-            Captured(),
-            cpu,
-            engine.device,
-            gather,  # type: ignore[arg-type]
-        )
+        return _build(engine, config, gather=gather)
 
     try:
         with pytest.raises(ValueError, match="pass gather"):
@@ -260,15 +248,9 @@ def test_tensor_parallel_ranks_agree_on_mixed_graphs(
         assert other.calls == [[16, 32]] + [True] * 4
         # Decode graphs off on every rank, or mixed batches not asked for: nothing shared.
         other = OtherRank([])
-        assert (
-            build_mixed_graphs(config, engine.model, engine.kv, None, cpu, engine.device, other)
-            is None
-        )
+        assert _build(engine, config, decode=None, gather=other) is None
         auto = EngineConfig(model="unused", tensor_parallel_size=2)
-        assert (
-            build_mixed_graphs(auto, engine.model, engine.kv, Captured(), cpu, engine.device, other)
-            is None
-        )  # type: ignore[arg-type]
+        assert _build(engine, auto, gather=other) is None
         assert other.calls == []
     finally:
         engine.close()
@@ -281,31 +263,19 @@ def test_blocked_where_an_extend_cannot_be_captured(
     try:
         reason = f"attention backend {native.attention_backend!r} sizes an extend per sequence"
         assert mixed_blockers(native.model) == [reason]
-        cpu = platform.DeviceSpec("cpu")
         with caplog.at_level(logging.INFO):
-            built = build_mixed_graphs(
-                _config(),
-                native.model,
-                native.kv,
-                Captured(),
-                cpu,
-                native.device,  # type: ignore[arg-type]
-            )
+            built = _build(native, _config())
         assert built is None and f"mixed graphs: off ({reason})" in caplog.text
     finally:
         native.close()
     engine = _engine(tiny_llama_dir, graphs=False)
     try:
         assert mixed_blockers(engine.model) == []
-        cpu = platform.DeviceSpec("cpu")
         # No decode graphs, or lazily captured ones: nothing to build on.
         lazy = Captured()
         lazy.captured_at_start = False
         for decode in (lazy, None):
-            built = build_mixed_graphs(
-                _config(), engine.model, engine.kv, decode, cpu, engine.device
-            )  # type: ignore[arg-type]
-            assert built is None
+            assert _build(engine, _config(), decode=decode) is None
     finally:
         engine.close()
 
