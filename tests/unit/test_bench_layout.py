@@ -19,6 +19,7 @@ MICRO = {
     "packed_matmul",
     "prefill_attention",
     "int8_activations",
+    "kernel_resources",
 }
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {

@@ -15,9 +15,13 @@ over each token's choices is one ``[T, top_k, hidden]`` reduction.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from engine.layers.triton_ops.fitting import launch_fitting, pipeline
 
 
 def align_by_expert(
@@ -139,6 +143,17 @@ def _block_sizes(assignments: int, interpreted: bool) -> tuple[int, int, int]:
     return (16 if assignments <= 256 else 64), 64, 64
 
 
+@functools.cache
+def _smaller_tiles(block_n: int, block_k: int) -> tuple[tuple[int, int, int | None], ...]:
+    """(BLOCK_N, BLOCK_K, num_stages) to try, best first, where the device has less shared
+    memory than the first needs (engine/layers/triton_ops/fitting.py)."""
+    tiles = [(block_n, block_k)]
+    while min(tiles[-1]) > 16:
+        n, k = tiles[-1]
+        tiles.append((n, k // 2) if k >= n else (n // 2, k))
+    return tuple((n, k, stages) for stages in (None, 1) for n, k in tiles)
+
+
 def fused_experts(
     x: torch.Tensor,  # [T, hidden]
     w13: torch.Tensor,  # [E, 2 * intermediate, hidden]: gate rows, then up rows
@@ -165,21 +180,32 @@ def fused_experts(
     options = {
         "TOP_K": top_k,
         "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "BLOCK_K": block_k,
         # float32 models stay exact.
         "COMPUTE_F32": x.dtype == torch.float32 or interpreted,
         "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
     }
+    key = ("fused_experts", x.device, x.dtype, top_k, block_m)
     act = torch.empty(count, inter, dtype=x.dtype, device=x.device)  # [A, intermediate]
-    _expert_matmul_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, w13, act, x, sorted_ids, block_expert, count, num_experts, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), GATE_UP=True, **options,
-    )  # fmt: skip
+
+    def gate_up(tiles: tuple[int, int, int | None]) -> None:
+        n, k, stages = tiles
+        _expert_matmul_kernel[(blocks, triton.cdiv(inter, n))](
+            x, w13, act, x, sorted_ids, block_expert, count, num_experts, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), GATE_UP=True,
+            BLOCK_N=n, BLOCK_K=k, **pipeline(stages), **options,
+        )  # fmt: skip
+
+    launch_fitting((*key, "gate_up"), _smaller_tiles(block_n, block_k), gate_up)
     scale = weights.reshape(-1).contiguous()  # [A]
     down = torch.empty(count, hidden, dtype=x.dtype, device=x.device)  # [A, hidden]
-    _expert_matmul_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, w2, down, scale, sorted_ids, block_expert, count, num_experts, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), down.stride(0), GATE_UP=False, **options,
-    )  # fmt: skip
+
+    def down_proj(tiles: tuple[int, int, int | None]) -> None:
+        n, k, stages = tiles
+        _expert_matmul_kernel[(blocks, triton.cdiv(hidden, n))](
+            act, w2, down, scale, sorted_ids, block_expert, count, num_experts, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), down.stride(0), GATE_UP=False,
+            BLOCK_N=n, BLOCK_K=k, **pipeline(stages), **options,
+        )  # fmt: skip
+
+    launch_fitting((*key, "down"), _smaller_tiles(block_n, block_k), down_proj)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.triton_ops import interpreting
+from engine.layers.triton_ops.fitting import launch_fitting, pipeline
 
 # Decode: most programs per (sequence, KV head); a split never takes fewer keys than
 # DECODE_MIN_CHUNK, so short rows use one or two and the rest exit at once.
@@ -238,6 +239,17 @@ def _blocks(group: int, head_dim: int, decode: bool) -> tuple[int, int, int]:
 
 
 @functools.cache
+def _smaller_options(block_n: int) -> tuple[tuple[int, int | None], ...]:
+    """(BLOCK_N, num_stages) to try, best first, where the device has less shared memory
+    than the first needs (engine/layers/triton_ops/fitting.py): halved key blocks with
+    Triton's pipelining, then without it. BLOCK_M stays: the work list is cut by it."""
+    blocks = [block_n]
+    while blocks[-1] > 16:
+        blocks.append(blocks[-1] // 2)
+    return tuple((n, stages) for stages in (None, 1) for n in blocks)
+
+
+@functools.cache
 def extend_tokens_per_program(q_heads: int, kv_heads: int, head_dim: int) -> int:
     """New tokens one extend program covers: the token block of ``extend_work``."""
     group = q_heads // kv_heads
@@ -337,49 +349,58 @@ def paged_attention(
         part_acc = part_ml = out  # not written
     starts = q_starts if q_starts is not None else seq_lens
     lens = q_lens if q_lens is not None else seq_lens
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_acc,
-        part_ml,
-        req_table,
-        req_rows,
-        seq_lens,
-        starts,
-        lens,
-        work,
-        num_work,
-        num_tokens,
-        q_heads,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        out.stride(0),
-        out.stride(1),
-        req_table.stride(0),
-        scale if scale is not None else head_dim**-0.5,
-        softcap or 1.0,
-        window or 0,
-        DECODE_MIN_CHUNK if splits > 1 and not interp else block_n,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        IS_DECODE=decode,
-        NUM_SPLITS=splits,
-        USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None,
-        # float32 models stay exact; the interpreter (numpy) has no bf16 dot.
-        COMPUTE_F32=q.dtype == torch.float32 or interp,
-        # float32 models: exact products, not TF32 (greedy output must match eager).
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+    # float32 models stay exact; the interpreter (numpy) has no bf16 dot.
+    compute_f32 = q.dtype == torch.float32 or interp
+
+    def launch(option: tuple[int, int | None]) -> None:
+        keys_per_block, stages = option
+        _paged_attention_kernel[grid](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            part_acc,
+            part_ml,
+            req_table,
+            req_rows,
+            seq_lens,
+            starts,
+            lens,
+            work,
+            num_work,
+            num_tokens,
+            q_heads,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            out.stride(0),
+            out.stride(1),
+            req_table.stride(0),
+            scale if scale is not None else head_dim**-0.5,
+            softcap or 1.0,
+            window or 0,
+            DECODE_MIN_CHUNK if splits > 1 and not interp else keys_per_block,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=keys_per_block,
+            IS_DECODE=decode,
+            NUM_SPLITS=splits,
+            USE_WINDOW=window is not None,
+            USE_SOFTCAP=softcap is not None,
+            COMPUTE_F32=compute_f32,
+            # float32 models: exact products, not TF32 (greedy output must match eager).
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **pipeline(stages),
+        )
+
+    # What decides the kernel's size: its constexprs, but for the options tried.
+    key = (q.device, q.dtype, group, head_dim, decode, splits, window is None, softcap is None)
+    launch_fitting(("paged_attention", *key), _smaller_options(block_n), launch)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, q_heads)](
             part_acc,
