@@ -48,6 +48,21 @@ class ScheduledBatch:
         return sum(self.extend_lens[self.num_decodes :])
 
     @classmethod
+    def prefill(
+        cls,
+        reqs: list[Req],
+        starts: list[int],
+        lens: list[int],
+        slots: list[torch.Tensor],
+        sample: list[bool],
+    ) -> ScheduledBatch | None:
+        """Prefill chunks only (None where there are none): chunk b computes ``lens[b]``
+        tokens from ``starts[b]`` into ``slots[b]``."""
+        if not reqs:
+            return None
+        return cls(0, reqs, starts, lens, torch.cat(slots), sample)
+
+    @classmethod
     def merge(cls, decode: ScheduledBatch, prefill: ScheduledBatch) -> ScheduledBatch:
         """One mixed forward: ``decode``'s sequences first, then ``prefill``'s chunks."""
         return cls(

@@ -265,16 +265,20 @@ class Scheduler:
             take(req, n)
             started_left -= n
 
+        self._room_short = False
+        if not (admit and self.waiting):
+            # Nobody to admit: skip the admission set-up, which walks every running
+            # request (each decode step of a full batch did, for nothing).
+            return ScheduledBatch.prefill(reqs, starts, lens, slots, sample)
         available = self.kv.available_tokens() - self._reserved_tokens()
         # Prefills whose prompt pages are not in the tree yet (this batch's included).
         in_flight = [r for r in self.running if self._unlanded(r) > 0]
         admitted: list[Req] = []
         max_running = self.config.max_running_requests
         share = ClientShare(self.running, self.waiting, self._share_capacity)
-        order = share.admission_order(self._ordered_waiting()) if admit else []
+        order = share.admission_order(self._ordered_waiting())
         turns = GroupTurns(self.running, self.waiting, max_running)
         kept_back = 0  # free slots held for requests under their share that wait a step
-        self._room_short = False
         for req in order:
             if budget <= 0:
                 break
@@ -333,9 +337,7 @@ class Scheduler:
                 in_flight.append(req)
             available -= need
         self._count_passed(admitted)
-        if not reqs:
-            return None
-        return ScheduledBatch(0, reqs, starts, lens, torch.cat(slots), sample)
+        return ScheduledBatch.prefill(reqs, starts, lens, slots, sample)
 
     def _decode_ready(self, req: Req) -> bool:
         """Whether ``req`` has exactly its last token left to compute. A token still in
