@@ -7,6 +7,10 @@ PIP := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 # The grammar engine for structured outputs and tool calls (see the `grammar` extra).
 XGRAMMAR_PIN ?= xgrammar==0.2.8
+# Triton, pinned here only: CI runs the GPU kernels under its interpreter and compiles
+# them for GPU targets through its runtime (tests/unit/test_kernel_targets.py); GPU
+# images bring their own.
+TRITON_PIN ?= triton==3.9.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # The suite runs in a shuffled order (modules, and tests within each module); the seed is
@@ -32,7 +36,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps "$(XGRAMMAR_PIN)"
 	# triton (the `kernels` extra) is installed after xgrammar on purpose: CPU CI runs the
 	# Triton kernels under its interpreter; xgrammar keeps its CPU path.
-	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu,kernels,eval,l3-crypt]"
+	$(PIP) install -q -e ".[dev,bench,fleet,grammar,mooncake-cpu,kernels,eval,l3-crypt]" "$(TRITON_PIN)"
 	touch $@
 
 setup: $(VENV)/.installed
