@@ -184,28 +184,26 @@ def fused_experts(
         "COMPUTE_F32": x.dtype == torch.float32 or interpreted,
         "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
     }
-    key = ("fused_experts", x.device, x.dtype, top_k, block_m)
+    tiles = _smaller_tiles(block_n, block_k)
+
+    def matmul(
+        a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, gate_up: bool
+    ) -> None:
+        n_cols, k_dim = out.shape[1], a.shape[1]
+
+        def launch(option: tuple[int, int, int | None]) -> None:
+            n, k, stages = option
+            _expert_matmul_kernel[(blocks, triton.cdiv(n_cols, n))](
+                a, w, out, scale, sorted_ids, block_expert, count, num_experts, n_cols, k_dim,
+                a.stride(0), w.stride(0), w.stride(1), out.stride(0), GATE_UP=gate_up,
+                BLOCK_N=n, BLOCK_K=k, **pipeline(stages), **options,
+            )  # fmt: skip
+
+        key = ("fused_experts", x.device, x.dtype, top_k, block_m, gate_up)
+        launch_fitting(key, tiles, launch)
+
     act = torch.empty(count, inter, dtype=x.dtype, device=x.device)  # [A, intermediate]
-
-    def gate_up(tiles: tuple[int, int, int | None]) -> None:
-        n, k, stages = tiles
-        _expert_matmul_kernel[(blocks, triton.cdiv(inter, n))](
-            x, w13, act, x, sorted_ids, block_expert, count, num_experts, inter, hidden,
-            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), GATE_UP=True,
-            BLOCK_N=n, BLOCK_K=k, **pipeline(stages), **options,
-        )  # fmt: skip
-
-    launch_fitting((*key, "gate_up"), _smaller_tiles(block_n, block_k), gate_up)
-    scale = weights.reshape(-1).contiguous()  # [A]
+    matmul(x, w13, act, x, gate_up=True)  # the scale is not read
     down = torch.empty(count, hidden, dtype=x.dtype, device=x.device)  # [A, hidden]
-
-    def down_proj(tiles: tuple[int, int, int | None]) -> None:
-        n, k, stages = tiles
-        _expert_matmul_kernel[(blocks, triton.cdiv(hidden, n))](
-            act, w2, down, scale, sorted_ids, block_expert, count, num_experts, hidden, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), down.stride(0), GATE_UP=False,
-            BLOCK_N=n, BLOCK_K=k, **pipeline(stages), **options,
-        )  # fmt: skip
-
-    launch_fitting((*key, "down"), _smaller_tiles(block_n, block_k), down_proj)
+    matmul(act, w2, down, weights.reshape(-1).contiguous(), gate_up=False)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
