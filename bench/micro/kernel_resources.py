@@ -3,6 +3,7 @@ the engine makes at the shapes of the model families it serves, whether it compi
 its registers, spilled bytes and shared memory against the target's limit.
 
     python -m bench.micro.kernel_resources [--target sm90 gfx942 ...] [--json]
+                                           [--shared-limit BYTES]
 
 Each launch goes through the kernels' own Python wrappers (paged_attention, the fused
 ops, fused_experts) with tensors on the ``meta`` device, so the block sizes, constexprs
@@ -287,13 +288,18 @@ def _rows(compiled: Compiled, seen: set[str], call: Callable[[], Any], row: Laun
     return rows
 
 
-def compile_all(target_name: str, shapes: tuple[ModelShape, ...] = SHAPES) -> list[Launch]:
+def compile_all(
+    target_name: str, shapes: tuple[ModelShape, ...] = SHAPES, shared_limit: int | None = None
+) -> list[Launch]:
     """Every launch of every shape, dtype and step compiled for one target; a launch that
     calls two kernels (attention's split merge, the experts' two matmuls) gives a row
-    each."""
+    each. ``shared_limit``: bytes of shared memory a block may use, in place of the
+    target's (how the launches would fall back on a device with less)."""
     from triton.backends.compiler import GPUTarget
 
-    backend, arch, warp, shared_limit = TARGETS[target_name]
+    backend, arch, warp, target_limit = TARGETS[target_name]
+    if shared_limit is None:
+        shared_limit = target_limit
     results: list[Launch] = []
     seen: set[str] = set()
     with compile_only(GPUTarget(backend, arch, warp), shared_limit) as compiled:
@@ -329,11 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", nargs="+", choices=sorted(TARGETS), default=DEFAULT_TARGETS)
     parser.add_argument("--json", action="store_true", help="one JSON object per target")
+    parser.add_argument(
+        "--shared-limit",
+        type=int,
+        help="bytes of shared memory a block may use, in place of each target's limit",
+    )
     args = parser.parse_args(argv)
     failed = 0
     for target in args.target:
         start = time.perf_counter()
-        rows = compile_all(target)
+        rows = compile_all(target, shared_limit=args.shared_limit)
         failed += sum(not r.fits for r in rows)
         if args.json:
             print(json.dumps({"target": target, "launches": [asdict(r) for r in rows]}))

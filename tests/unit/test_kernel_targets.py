@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from bench.micro import kernel_resources
 from bench.micro.kernel_resources import DTYPES, SHAPES, STEPS
 
 STEP_NAMES = [step for step, _, _ in STEPS]
@@ -98,3 +99,22 @@ def test_smaller_gpus_take_smaller_options_where_the_first_do_not_fit(
         }
         assert ("Gemma-2-2B", "prefill") in fell_back
         assert ("Llama-3-8B", "prefill") in fell_back
+
+
+def test_a_shared_memory_limit_can_replace_the_targets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # For a device whose limit is known but whose compiler is not on PyPI (MUSA): the
+    # launches of a target compiled as if its blocks had that much shared memory.
+    asked: list[tuple[str, int | None]] = []
+
+    def compile_all(target: str, shared_limit: int | None = None) -> list[Any]:
+        asked.append((target, shared_limit))
+        return []
+
+    monkeypatch.setattr(kernel_resources, "compile_all", compile_all)
+    assert kernel_resources.main(["--target", "sm89", "gfx942", "--shared-limit", "32768"]) == 0
+    assert asked == [("sm89", 32768), ("gfx942", 32768)]
+    kernel_resources.main(["--target", "sm90"])
+    assert asked[-1] == ("sm90", None)  # the target's own limit
+    capsys.readouterr()
