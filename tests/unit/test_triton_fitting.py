@@ -47,19 +47,31 @@ def test_the_first_option_that_fits_is_taken_and_remembered() -> None:
         tried.append(size)
         fits(size)
 
-    assert fitting.launch_fitting("k", [256, 128, 64, 32], launch) == 64
+    assert fitting.launch_fitting("k", [256, 128, 64, 32], launch, "") == 64
     assert tried == [256, 128, 64]
     # The next launch of the same key starts at the option that fitted.
-    assert fitting.launch_fitting("k", [256, 128, 64, 32], launch) == 64
+    assert fitting.launch_fitting("k", [256, 128, 64, 32], launch, "") == 64
     assert tried == [256, 128, 64, 64]
     # Another key chooses on its own.
-    assert fitting.launch_fitting("other", [32, 16], launch) == 32
+    assert fitting.launch_fitting("other", [32, 16], launch, "") == 32
 
 
-def test_no_option_that_fits_is_an_error_naming_each_refusal() -> None:
+def test_no_option_that_fits_is_an_error_naming_each_refusal_and_what_to_do() -> None:
     with pytest.raises(RuntimeError, match="no launch option of k fits") as info:
-        fitting.launch_fitting("k", [256, 128], _refusing(64))
-    assert "256" in str(info.value) and "128" in str(info.value)
+        fitting.launch_fitting("k", [256, 128], _refusing(64), "start with --smaller")
+    message = str(info.value)
+    assert "256" in message and "128" in message and message.endswith("start with --smaller")
+
+
+def test_the_kernels_advice_names_real_switches() -> None:
+    from engine.layers.triton_ops import FUSED_ENV_SWITCH
+    from server.args import parse_args
+
+    assert "--attention-backend torch" in paged_attention.NO_FIT_ADVICE
+    assert (
+        parse_args(["--attention-backend", "torch"], environ={}).engine.attention_backend == "torch"
+    )
+    assert f"{FUSED_ENV_SWITCH}=0" in fused_moe.NO_FIT_ADVICE
 
 
 def test_other_launch_errors_are_not_taken_for_a_refusal() -> None:
@@ -67,7 +79,7 @@ def test_other_launch_errors_are_not_taken_for_a_refusal() -> None:
         raise ValueError("bad argument")
 
     with pytest.raises(ValueError, match="bad argument"):
-        fitting.launch_fitting("k", [2, 1], broken)
+        fitting.launch_fitting("k", [2, 1], broken, "")
 
 
 class _Device:

@@ -28,10 +28,11 @@ _chosen: dict[Hashable, int] = {}
 
 
 def launch_fitting(
-    key: Hashable, options: Sequence[Option], launch: Callable[[Option], None]
+    key: Hashable, options: Sequence[Option], launch: Callable[[Option], None], advice: str
 ) -> Option:
     """``launch(option)`` with the first of ``options`` (from the one chosen for ``key``
-    before) whose kernel the device can load; returns it. Raises when none fits."""
+    before) whose kernel the device can load; returns it. Raises when none fits, with
+    ``advice``: what the operator can start the server with instead."""
     first = _chosen.get(key, 0)
     refused: list[str] = []
     for index in range(first, len(options)):
@@ -46,7 +47,9 @@ def launch_fitting(
             )
         _chosen[key] = index
         return options[index]
-    raise RuntimeError(f"no launch option of {key} fits this device: " + "; ".join(refused))
+    raise RuntimeError(
+        f"no launch option of {key} fits this device ({'; '.join(refused)}); {advice}"
+    )
 
 
 def pipeline(stages: int | None) -> dict[str, int]:

@@ -143,6 +143,12 @@ def _block_sizes(assignments: int, interpreted: bool) -> tuple[int, int, int]:
     return (16 if assignments <= 256 else 64), 64, 64
 
 
+# What to run instead where no launch option fits the device's shared memory.
+NO_FIT_ADVICE = (
+    "start with HISERVE_TRITON_FUSED=0 (the PyTorch experts) or a half-precision --dtype"
+)
+
+
 @functools.cache
 def _smaller_tiles(block_n: int, block_k: int) -> tuple[tuple[int, int, int | None], ...]:
     """(BLOCK_N, BLOCK_K, num_stages) to try, best first, where the device has less shared
@@ -200,7 +206,7 @@ def fused_experts(
             )  # fmt: skip
 
         key = ("fused_experts", x.device, x.dtype, top_k, block_m, gate_up)
-        launch_fitting(key, tiles, launch)
+        launch_fitting(key, tiles, launch, NO_FIT_ADVICE)
 
     act = torch.empty(count, inter, dtype=x.dtype, device=x.device)  # [A, intermediate]
     matmul(x, w13, act, x, gate_up=True)  # the scale is not read

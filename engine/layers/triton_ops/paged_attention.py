@@ -32,6 +32,10 @@ from engine.layers.triton_ops.fitting import launch_fitting, pipeline
 # TODO(gpu): tune both on the H200 (tests/gpu/kernel_goals.py prints the step times).
 DECODE_SPLITS = 16
 DECODE_MIN_CHUNK = 256
+# What to run instead where no launch option fits the device's shared memory.
+NO_FIT_ADVICE = (
+    "start with --attention-backend torch (gathers K/V: slower) or a half-precision --dtype"
+)
 # The token block of a padding work item: past every sequence's new tokens, so its
 # program loads nothing and stores nothing.
 PAD_BLOCK = 1 << 20
@@ -400,7 +404,7 @@ def paged_attention(
 
     # What decides the kernel's size: its constexprs, but for the options tried.
     key = (q.device, q.dtype, group, head_dim, decode, splits, window is None, softcap is None)
-    launch_fitting(("paged_attention", *key), _smaller_options(block_n), launch)
+    launch_fitting(("paged_attention", *key), _smaller_options(block_n), launch, NO_FIT_ADVICE)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, q_heads)](
             part_acc,
