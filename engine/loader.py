@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,7 +23,11 @@ from torch import nn
 from engine import gguf_layout
 from engine.gguf_convert import convert_gguf_isolated
 from engine.layers import triton_ops
-from engine.layers.attention import get_attention_backend
+from engine.layers.attention import (
+    AttentionBackend,
+    TorchAttentionBackend,
+    get_attention_backend,
+)
 from engine.layers.fused_cpu import use_fused_cpu_kernels
 from engine.layers.gemv_cpu import second_copies_fit, use_cpu_gemv
 from engine.layers.parallel_linear import TPShard
@@ -218,15 +222,21 @@ def load_model(
     device = torch.device(device) if isinstance(device, str) else device
     hf_config = load_hf_config(path)
     model_cls = get_model_class(hf_config)
-    backend = get_attention_backend(attention_backend, device, dtype)
     sharded = tp is not None and tp.size > 1
-    # Build on the meta device: no memory, no random init; then allocate once, in dtype.
-    with torch.device("meta"):
-        if tp is not None and sharded:
-            model = model_cls(tp_shard.shard_config(hf_config, tp.size), backend)
-            tp_shard.use_row_parallel(model, tp)
-        else:
-            model = model_cls(hf_config, backend)
+
+    def build(backend: AttentionBackend) -> Any:  # the registered model class
+        # On the meta device: no memory, no random init; allocated once below, in dtype.
+        with torch.device("meta"):
+            if tp is not None and sharded:
+                built = model_cls(tp_shard.shard_config(hf_config, tp.size), backend)
+                tp_shard.use_row_parallel(built, tp)
+                return built
+            return model_cls(hf_config, backend)
+
+    backend = get_attention_backend(attention_backend, device, dtype)
+    model = build(backend)
+    if backend.name == "triton":
+        model = _fitting_attention(model, build, attention_backend, device, dtype)
     source = gguf_packed.packed_source(gguf_path, device, sharded)
     plan = gguf_packed.plan_packed(source, Path(path), model) if source is not None else None
     if plan is not None:
@@ -264,6 +274,35 @@ def load_model(
     # Their Triton counterparts on GPUs with a Triton backend (HISERVE_TRITON_FUSED=0: off).
     triton_ops.use_fused_ops(model, device)
     return model.eval()
+
+
+def _fitting_attention(
+    model: Any,
+    build: Callable[[AttentionBackend], Any],
+    asked: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Any:
+    """``model`` where the Triton kernel fits ``device`` for every layer shape; else an
+    error if the Triton backend was asked for by name, or under ``auto`` the model rebuilt
+    on the PyTorch backend (logged), before serving rather than at the first prefill."""
+    from engine.layers.triton_attention import unfit_reason
+
+    reason = unfit_reason(model, device, dtype)
+    if reason is None:
+        return model
+    if asked == "triton":
+        raise RuntimeError(
+            f"attention backend 'triton' cannot serve this model on {device}: {reason}; "
+            "use --attention-backend torch (gathers K/V: slower) or a half-precision --dtype"
+        )
+    logger.warning(
+        "attention: the Triton paged kernel does not fit %s for this model (%s); falling "
+        "back to the PyTorch backend, which gathers every row's K/V per layer",
+        device,
+        reason,
+    )
+    return build(TorchAttentionBackend())
 
 
 def allocate_empty(model: ModuleT, device: torch.device) -> ModuleT:

@@ -3,7 +3,10 @@ decode, extend and mixed steps each in one launch per layer, K/V read in place."
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 from engine.kvcache.device_pool import DeviceKVPool
 from engine.layers.attention_base import AttentionBackend
@@ -60,6 +63,25 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> TritonAttentionBackend:
         """The same kernel with a layer's window, soft-capping and scale."""
         return TritonAttentionBackend(sliding_window, softcap, scale)
+
+    def probe(
+        self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """One decode and one extend of two one-token sequences over zeros, with this
+        layer's options: raises (triton_ops.fitting.NoFitError) where the kernel cannot
+        launch for these shapes on ``device``."""
+        q = torch.zeros(2, q_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(2, kv_heads, head_dim, dtype=dtype, device=device)
+        table = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
+        rows = torch.arange(2, device=device)  # also the first new token of each
+        ones = torch.ones(2, dtype=torch.int64, device=device)
+        items = self._work([1, 1], self._per_program(q_heads, kv_heads, head_dim))
+        work = torch.tensor(items, dtype=torch.int64, device=device).view(2, -1)
+        options = {"scale": self.scale, "window": self.sliding_window, "softcap": self.softcap}
+        self._kernel(q, kv, kv, table, rows, ones, **options)  # type: ignore[arg-type]
+        self._kernel(
+            q, kv, kv, table, rows, ones, q_starts=rows, q_lens=ones, work=work, **options,  # type: ignore[arg-type]
+        )  # fmt: skip
 
     def _store_kv(
         self,
@@ -174,3 +196,30 @@ class TritonAttentionBackend(AttentionBackend):
             meta.cache[EXTEND_LAYOUT] = layout
             meta.cache[key] = work
         return layout[0], layout[1], work
+
+
+def unfit_reason(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernel cannot serve ``model`` on ``device``: a layer shape for which
+    no block option fits the device's shared memory (engine/layers/triton_ops/fitting.py);
+    None where every one fits. Each distinct layer shape and options launches once, at
+    load, so a model the device cannot take is known before serving, not at its first
+    prefill. ``model`` may still be on the meta device: only its layers' shapes are read."""
+    from engine.layers.triton_ops.fitting import NoFitError
+
+    seen: set[tuple[object, ...]] = set()
+    for module in model.modules():
+        backend = getattr(module, "attn_backend", None)
+        # Attention layers only (the model holds the shared backend too).
+        if not isinstance(backend, TritonAttentionBackend) or not hasattr(module, "q_heads"):
+            continue
+        layer: Any = module  # an attention layer (LlamaAttention and its kin)
+        heads = (int(layer.q_heads), int(layer.kv_heads), int(layer.head_dim))
+        shape = (*heads, backend.sliding_window, backend.softcap, backend.scale)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        try:
+            backend.probe(*heads, dtype, device)
+        except NoFitError as exc:
+            return exc.reason
+    return None

@@ -1,11 +1,14 @@
 """Launch options that fit the device (engine/layers/triton_ops/fitting.py): the choice
 rule, and the paged attention and MoE kernels falling back to their smaller options
 under Triton's interpreter (a device refusing the larger ones as Triton does, with
-``OutOfResources`` before anything runs) with results unchanged."""
+``OutOfResources`` before anything runs) with results unchanged; and a model whose
+attention no option fits, found at load (engine/loader.py)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +18,13 @@ pytest.importorskip("triton")
 
 import triton
 
+from engine import loader
 from engine.layers.moe import SparseMoE
+from engine.layers.triton_attention import TritonAttentionBackend
 from engine.layers.triton_ops import fitting, fused_moe, paged_attention
+from engine.loader import load_model
+from tests.unit.hf_reference import random_hf_model
+from tests.unit.model_configs import FAMILY_CASES
 from tests.unit.triton_reference import make_batch, reference_attention, work_list
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -157,3 +165,58 @@ def test_fused_experts_on_a_device_refusing_their_first_tiles(
     taken = [option for option in device.launches if not device.refuse(option)]
     assert len(device.launches) == 4 and len(taken) == 2  # one refusal per kernel
     assert all(option[2] < largest[option[0]][1] for option in taken)  # a smaller K tile
+
+
+# ---- a model the device cannot take, known at load ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 2: windowed and global layers, so two layer shapes to try."""
+    hf_model = random_hf_model(FAMILY_CASES["gemma2"](), seed=5, attn_implementation="eager")
+    path = tmp_path_factory.mktemp("gemma2_fitting")
+    hf_model.save_pretrained(path)
+    return path
+
+
+def _windowed_layers_never_fit(monkeypatch: pytest.MonkeyPatch) -> _Device:
+    device = _Device(paged_attention._paged_attention_kernel, lambda kw: (kw["USE_WINDOW"],))
+    device.refuse = lambda option: bool(option[0])
+    monkeypatch.setattr(paged_attention, "_paged_attention_kernel", device)
+    return device
+
+
+def test_a_model_that_fits_keeps_the_kernel_after_one_launch_per_layer_shape(
+    gemma2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    device = _Device(paged_attention._paged_attention_kernel, lambda kw: (kw["USE_WINDOW"],))
+    monkeypatch.setattr(paged_attention, "_paged_attention_kernel", device)
+    model = load_model(gemma2_dir, torch.device("cpu"), torch.float32, attention_backend="triton")
+    layers = [layer.self_attn.attn_backend for layer in model.model.layers]
+    assert all(isinstance(b, TritonAttentionBackend) for b in layers)
+    # A decode and an extend for the windowed shape and for the global one, whatever the
+    # number of layers.
+    assert sorted(device.launches) == [(False,), (False,), (True,), (True,)]
+
+
+def test_asked_for_by_name_a_kernel_that_does_not_fit_fails_the_load(
+    gemma2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _windowed_layers_never_fit(monkeypatch)
+    with pytest.raises(RuntimeError, match="cannot serve this model") as info:
+        load_model(gemma2_dir, torch.device("cpu"), torch.float32, attention_backend="triton")
+    assert "--attention-backend torch" in str(info.value)
+
+
+def test_under_auto_a_kernel_that_does_not_fit_leaves_the_model_on_pytorch_attention(
+    gemma2_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _windowed_layers_never_fit(monkeypatch)
+    # What auto picks on a GPU with a working Triton (on the CPU it never picks Triton).
+    monkeypatch.setattr(loader, "get_attention_backend", lambda *args: TritonAttentionBackend())
+    with caplog.at_level(logging.WARNING):
+        model = load_model(gemma2_dir, torch.device("cpu"), torch.float32, attention_backend="auto")
+    layers = [layer.self_attn.attn_backend for layer in model.model.layers]
+    assert not any(isinstance(b, TritonAttentionBackend) for b in layers)
+    assert "falling back to the PyTorch backend" in caplog.text
+    assert "no launch option" in caplog.text

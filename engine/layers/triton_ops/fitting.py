@@ -27,6 +27,15 @@ Option = TypeVar("Option")
 _chosen: dict[Hashable, int] = {}
 
 
+class NoFitError(RuntimeError):
+    """No launch option of a kernel fits the device. ``reason``: which, and why each was
+    refused; the message adds what the operator can start the server with instead."""
+
+    def __init__(self, key: Hashable, refused: list[str], advice: str) -> None:
+        self.reason = f"no launch option of {key} fits this device ({'; '.join(refused)})"
+        super().__init__(f"{self.reason}; {advice}")
+
+
 def launch_fitting(
     key: Hashable, options: Sequence[Option], launch: Callable[[Option], None], advice: str
 ) -> Option:
@@ -47,9 +56,7 @@ def launch_fitting(
             )
         _chosen[key] = index
         return options[index]
-    raise RuntimeError(
-        f"no launch option of {key} fits this device ({'; '.join(refused)}); {advice}"
-    )
+    raise NoFitError(key, refused, advice)
 
 
 def pipeline(stages: int | None) -> dict[str, int]:
