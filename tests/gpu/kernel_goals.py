@@ -343,7 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'figure':40s} {'now':>12s} {'before':>12s} {'goal':>10s}")
     for name, now, before, goal in rows:
         print(f"{name:40s} {now:>12s} {before:>12s} {goal:>10s}")
+    print(launch_options_line())
     return 0
+
+
+def launch_options_line() -> str:
+    """Whether the figures are of the kernels' first launch options (the ones tuned for),
+    or which launches took smaller ones for want of shared memory."""
+    from engine.layers.triton_ops import fitting
+
+    smaller = {key: index for key, index in fitting.taken().items() if index}
+    if not smaller:
+        return "launch options: every launch took its first"
+    return "launch options: smaller ones taken (for want of shared memory): " + "; ".join(
+        f"{key} option {index}" for key, index in smaller.items()
+    )
 
 
 def prefill_seconds(engine: Any, prompts: int, length: int, device: str) -> float:

@@ -89,3 +89,15 @@ def test_matmul_floor_times_every_layers_projections(monkeypatch: pytest.MonkeyP
     # qkv (4 + 2 * 2 heads of 16), o, gate+up, down; for 8 tokens, times 3 layers.
     assert shapes == [(8, 128), (8, 64), (8, 192), (8, 64)]
     assert seconds == pytest.approx(4 * 0.001 * 3)
+
+
+def test_the_report_says_whether_launches_took_smaller_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.layers.triton_ops import fitting
+
+    monkeypatch.setattr(fitting, "_chosen", {("paged_attention", "bf16"): 0})
+    assert kernel_goals.launch_options_line().endswith("every launch took its first")
+    monkeypatch.setattr(fitting, "_chosen", {("paged_attention", "fp32"): 2, ("moe",): 0})
+    line = kernel_goals.launch_options_line()
+    assert "('paged_attention', 'fp32') option 2" in line and "moe" not in line

@@ -64,6 +64,11 @@ def pipeline(stages: int | None) -> dict[str, int]:
     return {} if stages is None else {"num_stages": stages}
 
 
+def taken() -> dict[Hashable, int]:
+    """Each launch key's chosen option (0: the first, best one)."""
+    return dict(_chosen)
+
+
 def forget() -> None:
     """Drop every remembered choice (the next launches start from the best option)."""
     _chosen.clear()
