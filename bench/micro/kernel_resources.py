@@ -1,6 +1,7 @@
-"""The Triton kernels compiled for GPU targets on a machine with no GPU: for every launch
-the engine makes at the shapes of the model families it serves, whether it compiles, and
-its registers, spilled bytes and shared memory against the target's limit.
+"""The Triton kernels compiled for GPU targets on a machine with no GPU: for each kernel's
+launches at the shapes of the model families the engine serves (a family's launches of
+a kernel it does not use included, for coverage), whether it compiles, and its
+registers, spilled bytes and shared memory against the target's limit.
 
     python -m bench.micro.kernel_resources [--target sm90 gfx942 ...] [--json]
                                            [--shared-limit BYTES]
