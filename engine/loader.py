@@ -283,7 +283,7 @@ def _fitting_attention(
     device: torch.device,
     dtype: torch.dtype,
 ) -> Any:
-    """``model`` where the Triton kernel fits ``device`` for every layer shape; else an
+    """``model`` where the Triton kernel runs on ``device`` for every layer shape; else an
     error if the Triton backend was asked for by name, or under ``auto`` the model rebuilt
     on the PyTorch backend (logged), before serving rather than at the first prefill."""
     from engine.layers.triton_attention import unfit_reason
@@ -297,7 +297,7 @@ def _fitting_attention(
             "use --attention-backend torch (gathers K/V: slower) or a half-precision --dtype"
         )
     logger.warning(
-        "attention: the Triton paged kernel does not fit %s for this model (%s); falling "
+        "attention: the Triton paged kernel cannot run on %s for this model (%s); falling "
         "back to the PyTorch backend, which gathers every row's K/V per layer",
         device,
         reason,

@@ -200,10 +200,12 @@ class TritonAttentionBackend(AttentionBackend):
 
 def unfit_reason(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the Triton kernel cannot serve ``model`` on ``device``: a layer shape for which
-    no block option fits the device's shared memory (engine/layers/triton_ops/fitting.py);
-    None where every one fits. Each distinct layer shape and options launches once, at
-    load, so a model the device cannot take is known before serving, not at its first
-    prefill. ``model`` may still be on the meta device: only its layers' shapes are read."""
+    no block option fits the device's shared memory (engine/layers/triton_ops/fitting.py),
+    or for which the kernel fails to build or launch there (a Triton backend not tried on
+    that device, such as torch_musa's); None where every one runs. Each distinct layer
+    shape and options launches once, at load, so a model the device cannot take is known
+    before serving, not at its first prefill. ``model`` may still be on the meta device:
+    only its layers' shapes are read."""
     from engine.layers.triton_ops.fitting import NoFitError
 
     seen: set[tuple[object, ...]] = set()
@@ -222,4 +224,6 @@ def unfit_reason(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
             backend.probe(*heads, dtype, device)
         except NoFitError as exc:
             return exc.reason
+        except Exception as exc:  # any failure here means: not this kernel on this device
+            return f"the kernel failed for layer shape {shape}: {type(exc).__name__}: {exc}"
     return None

@@ -208,15 +208,37 @@ def test_asked_for_by_name_a_kernel_that_does_not_fit_fails_the_load(
     assert "--attention-backend torch" in str(info.value)
 
 
-def test_under_auto_a_kernel_that_does_not_fit_leaves_the_model_on_pytorch_attention(
-    gemma2_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+class _BrokenCompiler:
+    """A Triton backend that cannot build the kernel (one never tried on the device)."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("PassManager::run failed")
+
+        return launch
+
+
+@pytest.mark.parametrize("failure", ["no option fits", "the kernel does not build"])
+def test_under_auto_a_kernel_that_cannot_run_leaves_the_model_on_pytorch_attention(
+    failure: str,
+    gemma2_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    _windowed_layers_never_fit(monkeypatch)
+    if failure == "no option fits":
+        _windowed_layers_never_fit(monkeypatch)
+        said = "no launch option"
+    else:
+        monkeypatch.setattr(paged_attention, "_paged_attention_kernel", _BrokenCompiler())
+        said = "RuntimeError: PassManager::run failed"
     # What auto picks on a GPU with a working Triton (on the CPU it never picks Triton).
     monkeypatch.setattr(loader, "get_attention_backend", lambda *args: TritonAttentionBackend())
     with caplog.at_level(logging.WARNING):
         model = load_model(gemma2_dir, torch.device("cpu"), torch.float32, attention_backend="auto")
     layers = [layer.self_attn.attn_backend for layer in model.model.layers]
     assert not any(isinstance(b, TritonAttentionBackend) for b in layers)
-    assert "falling back to the PyTorch backend" in caplog.text
-    assert "no launch option" in caplog.text
+    assert "falling back to the PyTorch backend" in caplog.text and said in caplog.text
+    # Asked for by name, the same device fails the load, saying why.
+    with pytest.raises(RuntimeError, match="cannot serve this model") as info:
+        load_model(gemma2_dir, torch.device("cpu"), torch.float32, attention_backend="triton")
+    assert said in str(info.value)
