@@ -67,17 +67,22 @@ class TritonAttentionBackend(AttentionBackend):
     def probe(
         self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """One decode and one extend of two one-token sequences over zeros, with this
-        layer's options: raises (triton_ops.fitting.NoFitError) where the kernel cannot
-        launch for these shapes on ``device``."""
+        """The K/V store (plain and with RoPE), then one decode and one extend of two
+        one-token sequences, over zeros with this layer's options: raises where a kernel
+        does not build or launch for these shapes on ``device`` (NoFitError from
+        triton_ops.fitting where no block option fits its shared memory)."""
         q = torch.zeros(2, q_heads, head_dim, dtype=dtype, device=device)
-        kv = torch.zeros(2, kv_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(2, kv_heads, head_dim, dtype=dtype, device=device)  # also the pool
+        qk = torch.zeros(2, q_heads + kv_heads, head_dim, dtype=dtype, device=device)
+        cos = torch.zeros(2, 1, head_dim, dtype=dtype, device=device)
         table = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
-        rows = torch.arange(2, device=device)  # also the first new token of each
+        rows = torch.arange(2, device=device)  # also the slots and first new tokens
         ones = torch.ones(2, dtype=torch.int64, device=device)
         items = self._work([1, 1], self._per_program(q_heads, kv_heads, head_dim))
         work = torch.tensor(items, dtype=torch.int64, device=device).view(2, -1)
         options = {"scale": self.scale, "window": self.sliding_window, "softcap": self.softcap}
+        self._store(kv, kv, rows, kv, kv)
+        self._rope_store(qk, kv, cos, cos, q_heads, rows, kv, kv)
         self._kernel(q, kv, kv, table, rows, ones, **options)  # type: ignore[arg-type]
         self._kernel(
             q, kv, kv, table, rows, ones, q_starts=rows, q_lens=ones, work=work, **options,  # type: ignore[arg-type]

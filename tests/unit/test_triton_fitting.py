@@ -21,7 +21,7 @@ import triton
 from engine import loader
 from engine.layers.moe import SparseMoE
 from engine.layers.triton_attention import TritonAttentionBackend
-from engine.layers.triton_ops import fitting, fused_moe, paged_attention
+from engine.layers.triton_ops import fitting, fused, fused_moe, paged_attention
 from engine.loader import load_model
 from tests.unit.hf_reference import random_hf_model
 from tests.unit.model_configs import FAMILY_CASES
@@ -218,7 +218,9 @@ class _BrokenCompiler:
         return launch
 
 
-@pytest.mark.parametrize("failure", ["no option fits", "the kernel does not build"])
+@pytest.mark.parametrize(
+    "failure", ["no option fits", "the kernel does not build", "the K/V store does not build"]
+)
 def test_under_auto_a_kernel_that_cannot_run_leaves_the_model_on_pytorch_attention(
     failure: str,
     gemma2_dir: Path,
@@ -228,8 +230,11 @@ def test_under_auto_a_kernel_that_cannot_run_leaves_the_model_on_pytorch_attenti
     if failure == "no option fits":
         _windowed_layers_never_fit(monkeypatch)
         said = "no launch option"
-    else:
+    elif failure == "the kernel does not build":
         monkeypatch.setattr(paged_attention, "_paged_attention_kernel", _BrokenCompiler())
+        said = "RuntimeError: PassManager::run failed"
+    else:
+        monkeypatch.setattr(fused, "_rotary_store_kernel", _BrokenCompiler())
         said = "RuntimeError: PassManager::run failed"
     # What auto picks on a GPU with a working Triton (on the CPU it never picks Triton).
     monkeypatch.setattr(loader, "get_attention_backend", lambda *args: TritonAttentionBackend())

@@ -3,6 +3,9 @@ layers they replace, and where the loader switches them on."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -84,6 +87,36 @@ def test_model_with_fused_ops_gives_the_same_logits(monkeypatch: pytest.MonkeyPa
     assert model.model.layers[0].self_attn.rotary_fn is fused.rotary
     torch.testing.assert_close(mlp(x), expected_mlp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(norm.add_forward(x, x)[0], expected_norm, atol=1e-5, rtol=1e-5)
+
+
+class _Unbuildable:
+    """A kernel the device's Triton cannot build (launches raise); launches counted."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches += 1
+            raise RuntimeError("PassManager::run failed")
+
+        return launch
+
+
+def test_a_fused_kernel_the_device_cannot_run_leaves_every_op_on_pytorch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    monkeypatch.setattr(triton_ops, "unavailable_reason", lambda device: None)
+    broken = _Unbuildable()
+    monkeypatch.setattr(fused, "_silu_mul_kernel", broken)
+    with caplog.at_level(logging.WARNING):
+        assert triton_ops.use_fused_ops(model, torch.device("cuda")) == 0
+    assert "silu_mul failed here (RuntimeError: PassManager::run failed)" in caplog.text
+    assert broken.launches == 1  # tried once, not once per layer
+    layer = model.model.layers[0]
+    assert layer.mlp.act_mul is None and layer.post_attention_layernorm.fused_add_norm is None
+    assert layer.self_attn.rotary_fn is apply_rotary
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

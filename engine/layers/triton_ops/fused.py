@@ -10,7 +10,10 @@ where the reference rounds.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -123,34 +126,70 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def use_triton_fused_ops(model: nn.Module) -> int:
     """Switch ``model``'s RMSNorm, SwiGLU, RoPE and SwiGLU-expert layers to the Triton
     kernels; returns how many switched. The caller checks that Triton runs on the
-    model's device."""
+    model's device. Each kernel first runs once on zeros of each distinct shape it will
+    see: where one does not build or run there (a Triton backend not tried on the
+    device), nothing switches and the reason is logged."""
     from engine.layers.linear import GatedMLP
     from engine.layers.moe import SparseMoE
     from engine.layers.rmsnorm import RMSNorm
     from engine.layers.rotary import apply_rotary
     from engine.layers.triton_ops.fused_moe import fused_experts
 
-    switched = 0
+    switches: list[tuple[nn.Module, str, object]] = []
+    # One call of each kernel per distinct shape: (kernel, its arguments: zeros).
+    trials: dict[tuple[object, ...], tuple[Callable[..., object], tuple[object, ...]]] = {}
     for module in model.modules():
+        param = next(module.parameters(), None)
+        if param is None:
+            continue
+        zeros = functools.partial(torch.zeros, dtype=param.dtype, device=param.device)
         # Exact types only: a subclass (Gemma's 1 + weight norm) computes something else.
         if type(module) is RMSNorm:
-            module.fused_add_norm = add_rms_norm
+            switches.append((module, "fused_add_norm", add_rms_norm))
+            x = zeros(2, module.weight.shape[0])
+            trials[("add_rms_norm", x.shape, x.dtype)] = (
+                add_rms_norm,
+                (x, x, module.weight, module.eps),
+            )
         elif type(module) is GatedMLP and module.activation == "silu":
-            module.act_mul = silu_mul
+            switches.append((module, "act_mul", silu_mul))
+            gate_up = zeros(2, 2 * module.intermediate_size)
+            trials[("silu_mul", gate_up.shape, gate_up.dtype)] = (silu_mul, (gate_up,))
         elif type(module) is SparseMoE and module.activation == "silu":
-            module.fused_experts = fused_experts
+            switches.append((module, "fused_experts", fused_experts))
+            chosen = torch.zeros(2, module.top_k, dtype=torch.int64, device=param.device)
+            x = zeros(2, module.w13.shape[2])
+            weights = zeros(chosen.shape)
+            trials[("fused_experts", module.w13.shape, module.w2.shape, x.dtype, module.top_k)] = (
+                fused_experts,
+                (x, module.w13, module.w2, chosen, weights),
+            )
         elif getattr(module, "rotary_fn", None) is apply_rotary:
             backend = getattr(module, "attn_backend", None)
             if getattr(backend, "fuses_rope_store", False):
-                # RoPE and the K/V store in the attention backend's one kernel.
-                setattr(module, "fused_rope_store", True)  # noqa: B010
+                # RoPE and the K/V store in the attention backend's one kernel (tried by
+                # the backend at load: triton_attention.unfit_reason).
+                switches.append((module, "fused_rope_store", True))
             else:
-                setattr(module, "rotary_fn", rotary)  # noqa: B010 (an nn.Module attribute)
-        else:
-            continue
-        switched += 1
-    logger.info("fused Triton kernels in use in %d layers", switched)
-    return switched
+                switches.append((module, "rotary_fn", rotary))
+                layer: Any = module
+                q, cos = zeros(2, layer.q_heads, layer.head_dim), zeros(2, 1, layer.head_dim)
+                trials[("rotary", q.shape, q.dtype)] = (rotary, (q, cos, cos))
+    for key, (kernel, inputs) in trials.items():
+        try:
+            kernel(*inputs)
+        except Exception as exc:  # any failure means: not these kernels on this device
+            logger.warning(
+                "fused Triton kernels not used: %s failed here (%s: %s); keeping the PyTorch ops",
+                key[0],
+                type(exc).__name__,
+                exc,
+            )
+            return 0
+    for module, name, value in switches:
+        setattr(module, name, value)
+    logger.info("fused Triton kernels in use in %d layers", len(switches))
+    return len(switches)
 
 
 @triton.jit
