@@ -7,8 +7,8 @@ block on an H100, 99 KiB on an L40S or RTX 4090, 64 KiB on an MI300X). Triton re
 kernel that needs more with ``OutOfResources`` as it loads it, before anything runs, so
 the next, smaller option can be launched in its place. The choice is remembered per
 launch key (the constexprs that decide a kernel's size: dtype, head size, ...), so the
-refused options cost one compile at the first launch, which the engine makes in its
-start-up warm-up, before any graph is captured. ``python -m bench.micro.kernel_resources``
+refused options cost one compile at the first launch, which the engine makes at load
+(triton_attention.unfit_reason) or in its start-up warm-up, before any graph is captured. ``python -m bench.micro.kernel_resources``
 shows what each target is given.
 """
 
