@@ -267,8 +267,7 @@ class Scheduler:
 
         self._room_short = False
         if not (admit and self.waiting):
-            # Nobody to admit: skip the admission set-up, which walks every running
-            # request (each decode step of a full batch did, for nothing).
+            # Nobody to admit: skip the set-up below, which walks every running request.
             return ScheduledBatch.prefill(reqs, starts, lens, slots, sample)
         available = self.kv.available_tokens() - self._reserved_tokens()
         # Prefills whose prompt pages are not in the tree yet (this batch's included).
