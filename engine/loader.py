@@ -287,6 +287,7 @@ def _fitting_attention(
     error if the Triton backend was asked for by name, or under ``auto`` the model rebuilt
     on the PyTorch backend (logged), before serving rather than at the first prefill."""
     from engine.layers.triton_attention import unfit_reason
+    from engine.layers.triton_ops.paged_attention import NO_FIT_ADVICE
 
     reason = unfit_reason(model, device, dtype)
     if reason is None:
@@ -294,7 +295,7 @@ def _fitting_attention(
     if asked == "triton":
         raise RuntimeError(
             f"attention backend 'triton' cannot serve this model on {device}: {reason}; "
-            "use --attention-backend torch (gathers K/V: slower) or a half-precision --dtype"
+            f"{NO_FIT_ADVICE}"
         )
     logger.warning(
         "attention: the Triton paged kernel cannot run on %s for this model (%s); falling "
