@@ -195,3 +195,20 @@ def install_fake_streams(monkeypatch: pytest.MonkeyPatch) -> FakeStreamBackend:
     monkeypatch.setitem(sys.modules, "torch_musa", types.ModuleType("torch_musa"))
     platform._import_failed.clear()
     return backend
+
+
+class UnbuildableKernel:
+    """A Triton kernel the device's Triton cannot build (a backend never tried there):
+    every launch raises; launches are counted."""
+
+    ERROR = "PassManager::run failed"
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches += 1
+            raise RuntimeError(self.ERROR)
+
+        return launch

@@ -23,6 +23,7 @@ from engine.layers.moe import SparseMoE
 from engine.layers.triton_attention import TritonAttentionBackend
 from engine.layers.triton_ops import fitting, fused, fused_moe, paged_attention
 from engine.loader import load_model
+from tests.unit.fake_backends import UnbuildableKernel
 from tests.unit.hf_reference import random_hf_model
 from tests.unit.model_configs import FAMILY_CASES
 from tests.unit.triton_reference import make_batch, reference_attention, work_list
@@ -208,16 +209,6 @@ def test_asked_for_by_name_a_kernel_that_does_not_fit_fails_the_load(
     assert "--attention-backend torch" in str(info.value)
 
 
-class _BrokenCompiler:
-    """A Triton backend that cannot build the kernel (one never tried on the device)."""
-
-    def __getitem__(self, grid: Any) -> Callable[..., Any]:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            raise RuntimeError("PassManager::run failed")
-
-        return launch
-
-
 @pytest.mark.parametrize(
     "failure", ["no option fits", "the kernel does not build", "the K/V store does not build"]
 )
@@ -231,10 +222,10 @@ def test_under_auto_a_kernel_that_cannot_run_leaves_the_model_on_pytorch_attenti
         _windowed_layers_never_fit(monkeypatch)
         said = "no launch option"
     elif failure == "the kernel does not build":
-        monkeypatch.setattr(paged_attention, "_paged_attention_kernel", _BrokenCompiler())
+        monkeypatch.setattr(paged_attention, "_paged_attention_kernel", UnbuildableKernel())
         said = "RuntimeError: PassManager::run failed"
     else:
-        monkeypatch.setattr(fused, "_rotary_store_kernel", _BrokenCompiler())
+        monkeypatch.setattr(fused, "_rotary_store_kernel", UnbuildableKernel())
         said = "RuntimeError: PassManager::run failed"
     # What auto picks on a GPU with a working Triton (on the CPU it never picks Triton).
     monkeypatch.setattr(loader, "get_attention_backend", lambda *args: TritonAttentionBackend())

@@ -4,7 +4,6 @@ layers they replace, and where the loader switches them on."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from engine.layers.rmsnorm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary, read_rope_params
 from engine.layers.triton_ops import fused
 from engine.models.llama import LlamaForCausalLM
+from tests.unit.fake_backends import UnbuildableKernel
 from tests.unit.model_configs import TINY
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -89,26 +89,12 @@ def test_model_with_fused_ops_gives_the_same_logits(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(norm.add_forward(x, x)[0], expected_norm, atol=1e-5, rtol=1e-5)
 
 
-class _Unbuildable:
-    """A kernel the device's Triton cannot build (launches raise); launches counted."""
-
-    def __init__(self) -> None:
-        self.launches = 0
-
-    def __getitem__(self, grid: Any) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.launches += 1
-            raise RuntimeError("PassManager::run failed")
-
-        return launch
-
-
 def test_a_fused_kernel_the_device_cannot_run_leaves_every_op_on_pytorch(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = LlamaForCausalLM(LlamaConfig(**TINY))
     monkeypatch.setattr(triton_ops, "unavailable_reason", lambda device: None)
-    broken = _Unbuildable()
+    broken = UnbuildableKernel()
     monkeypatch.setattr(fused, "_silu_mul_kernel", broken)
     with caplog.at_level(logging.WARNING):
         assert triton_ops.use_fused_ops(model, torch.device("cuda")) == 0
