@@ -20,6 +20,7 @@ MICRO = {
     "prefill_attention",
     "int8_activations",
     "kernel_resources",
+    "host_step",
 }
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {
