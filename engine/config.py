@@ -140,6 +140,10 @@ class SchedulerConfig(CacheConfig):
     # and its KV freed.
     max_queued_outputs: int = 64
     stream_stall_timeout: float = 30.0
+    # A streamed request gets an output every this many tokens (SGLang's and vLLM's
+    # --stream-interval): its first token at once, its last at the end, each output
+    # carrying the deltas since the one before. Larger: less host work per token.
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,7 @@ class EngineConfig(SchedulerConfig):
             "max_stop_chars",
             "max_logprob_entries",
             "max_queued_outputs",
+            "stream_interval",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -17,7 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_stats import EngineStats
 from engine.grammar import GrammarBackend
 from engine.kv_setup import KVSetup
-from engine.outputs import check_stop, make_output, stop_checker_of
+from engine.outputs import check_stop, make_output, output_due, stop_checker_of
 from engine.request import FinishReason, Req, ReqStatus, RequestOutput, SamplingParams
 from engine.request_checks import check_request
 from engine.sampler import SamplerOutput, make_generator
@@ -52,6 +52,7 @@ class Engine:
         self.max_model_len = parts.max_model_len
         self.served_model_name = parts.served_model_name
         self.eos_token_ids = parts.eos_token_ids
+        self.stream_interval = config.stream_interval
         self.kv: KVSetup = parts.kv
         self.scheduler = parts.scheduler
         self.sampler = parts.sampler
@@ -159,7 +160,8 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return what changed for each request."""
+        """Schedule one batch, run it, and return the outputs due: every request that
+        finished, and the running ones whose new tokens go out now (``output_due``)."""
         outputs = self.drain_ended()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -270,7 +272,9 @@ class Engine:
                 reason = FinishReason.STOP
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(make_output(req, finished=req.finished))
+                outputs.append(make_output(req, finished=True))
+            elif output_due(req, self.stream_interval):
+                outputs.append(make_output(req, finished=False))
         return outputs
 
     def _finish(self, req: Req, reason: FinishReason) -> None:

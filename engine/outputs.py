@@ -16,6 +16,36 @@ def stop_checker_of(req: Req) -> StopChecker:
     return checker
 
 
+# Characters ``req.text`` may hold beyond what it must keep before the older ones move to
+# ``req.text_head``: an append copies at most about this much, and a request's text moves
+# about once per this many characters.
+COMPACT_CHARS = 1024
+
+
+def output_due(req: Req, stream_interval: int) -> bool:
+    """Whether a running ``req``'s tokens since its last output go out now: its first
+    token at once (time to first token), then every ``stream_interval`` tokens if its
+    caller streams; otherwise they wait for the final output."""
+    if req.sent_tokens == 0:
+        return True
+    return req.params.stream and len(req.output_ids) - req.sent_tokens >= stream_interval
+
+
+def _compact(req: Req) -> None:
+    """Move the front of ``req.text`` to ``req.text_head`` once it is long enough: all
+    but what a stop string may still reach (``StopChecker.check`` looks back
+    ``max_stop_len - 1`` characters from the newest delta; ``holdback`` at most as far)
+    and, for a stream, what is not sent yet (outputs slice it out of ``text``)."""
+    keep = stop_checker_of(req).max_stop_len if req.params.stop else 0
+    cut = len(req.text) - keep
+    if req.params.stream:
+        cut = min(cut, req.sent_text - req.head_chars)
+    if cut >= COMPACT_CHARS:
+        req.text_head.append(req.text[:cut])
+        req.text = req.text[cut:]
+        req.head_chars += cut
+
+
 def make_output(req: Req, finished: bool) -> RequestOutput:
     """Snapshot with the deltas since the previous snapshot of ``req``.
 
@@ -26,12 +56,14 @@ def make_output(req: Req, finished: bool) -> RequestOutput:
     ``logprobs``); every other one carries just its deltas, so an update costs what it
     adds, never a copy of everything generated so far.
     """
-    text = req.text
-    emit_upto = len(text)
+    text, base = req.text, req.head_chars
+    emit_upto = base + len(text)
     if not finished and req.params.stop:
         emit_upto -= stop_checker_of(req).holdback(text)
     emit_upto = max(emit_upto, req.sent_text)
-    new_text = text[req.sent_text : emit_upto]
+    if finished or req.sent_text < base:  # the final output, or unsent text moved to the head
+        text, base = "".join(req.text_head) + text, 0
+    new_text = text[req.sent_text - base : emit_upto - base]
     new_ids = req.output_ids[req.sent_tokens :]
     want_logprobs = req.params.logprobs is not None
     new_logprobs = req.logprobs[req.sent_logprobs :] if want_logprobs else None
@@ -92,6 +124,7 @@ def check_stop(
                 req.text = req.text[: hit[0]]
                 req.stop_reason = hit[1]
                 return FinishReason.STOP
+        _compact(req)
     if n_out >= params.max_tokens or len(req.prompt_ids) + n_out >= max_model_len:
         return FinishReason.LENGTH
     return None

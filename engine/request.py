@@ -61,6 +61,10 @@ class SamplingParams:
     # each client with work keeps a fair share of the running requests
     # (engine/client_share.py). None: one shared client, as for the engine's own API.
     client: str | None = None
+    # Whether the caller reads the output as it comes (a stream). False: after the
+    # first token's output (its time to first token), nothing until the final one, which
+    # carries every delta since; the outputs in between would only be thrown away.
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -310,9 +314,15 @@ class Req:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     sent_prompt_logprobs: bool = False
     detok: IncrementalDetokenizer | None = None
+    # The output's text is "".join(text_head) + text: ``text`` keeps the characters a
+    # stop string may still reach and, while the request streams, what is not sent yet;
+    # the rest moves to ``text_head`` (outputs.check_stop), since appending to one string
+    # as long as the output copies all of it at every token.
     text: str = ""
+    text_head: list[str] = field(default_factory=list)
+    head_chars: int = 0  # characters in text_head
     sent_tokens: int = 0  # output tokens already reported
-    sent_text: int = 0  # characters of text already reported
+    sent_text: int = 0  # characters of the whole text already reported
     sent_logprobs: int = 0
     generator: Any = None  # torch.Generator for seeded sampling
     stop_checker: Any = None  # detokenizer.StopChecker, built on first use

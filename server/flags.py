@@ -204,6 +204,12 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "max_queued_outputs",
     ),
     FlagSpec(
+        "stream-interval",
+        "a streamed request gets a chunk every this many tokens (the first at once, the "
+        "last at the end); larger: less host work per token, a coarser stream",
+        "stream_interval",
+    ),
+    FlagSpec(
         "stream-stall-timeout",
         "seconds a stream's reader may take nothing before its request is ended",
         "stream_stall_timeout",

@@ -227,6 +227,7 @@ def make_plan(
         base.group = base_id  # every copy shares ``base``: the scheduler takes turns
         base.cache_salt = engine_salt(req.cache_salt, authorization, client.cache_salt_from_key)
         base.prompt_logprobs = prompt_logprobs
+        base.stream = bool(req.stream)
         if logprobs is not None:
             entries += plan.n * base.max_tokens * (1 + logprobs)
         rest = base
