@@ -2,6 +2,7 @@
 
     python -m bench.http_cost [--model default] [--num-prompts 32] [--input-len 256]
                               [--output-len 64] [--max-concurrency 32] [--dtype float32]
+                              [--stream-interval 1]
 
 Rounds of two runs, one after the other so they never share the CPU: the ``random``
 workload of ``hiserve-bench`` through the engine in this process (``max_concurrency`` in
@@ -177,6 +178,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="the server flag, for both engines (unset: the device's default)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the server flag: a streamed request's chunk every this many tokens",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         kv_cache_tokens=args.kv_cache_tokens,
         startup_timeout=args.startup_timeout,
-        extra_args=overlap_flag,
+        extra_args=(*overlap_flag, "--stream-interval", str(args.stream_interval)),
     )
     rounds: list[Round] = []
     cost: PerTokenCost | None = None

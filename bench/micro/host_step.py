@@ -2,6 +2,7 @@
 
     python -m bench.micro.host_step [--model default] [--batches 1 32 64 128]
                                     [--steps 50] [--rounds 4] [--threads 1]
+                                    [--stream-interval 1] [--not-streamed]
 
 On a GPU the forward runs on the device and the host's caches stay warm. On a CPU the
 forward streams the weights through them: a small torch call that takes ~4 us on its own
@@ -15,7 +16,8 @@ step is host work only: scheduling with the KV slots of every request
 (``Scheduler.schedule``), the step's inputs, request-table upload, forward call and
 sampling (``ModelRunner.run``), and landing the tokens: stops, detokenization, outputs
 (``Engine._postprocess``). ``--batches`` prompts of 16 tokens start together, greedy, no
-EOS; once all decode, ``--steps`` steps are timed. Rounds repeat this; the first warms
+EOS; once all decode, ``--steps`` steps are timed. ``--stream-interval`` and
+``--not-streamed`` set how often a running request gets an output (``output_due``). Rounds repeat this; the first warms
 up. Printed per batch: medians over rounds of the step, its parts and the step per
 request, in microseconds.
 """
@@ -79,7 +81,9 @@ def _timed(owner: Any, name: str, spent: dict[str, float]) -> None:
     setattr(owner, name, timed)
 
 
-def measure(engine: Engine, batch: int, steps: int, rounds: int) -> dict[str, float]:
+def measure(
+    engine: Engine, batch: int, steps: int, rounds: int, stream: bool = True
+) -> dict[str, float]:
     """Median seconds per decode step (``step``) and per part, over ``rounds`` - 1."""
     runner = engine.runner
     runner.model = NoWorkModel(runner.model)
@@ -90,7 +94,7 @@ def measure(engine: Engine, batch: int, steps: int, rounds: int) -> dict[str, fl
     rng = random.Random(0)
     vocab = engine.tokenizer.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(batch)]
-    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True, stream=stream)
     per_round: list[dict[str, float]] = []
     for _ in range(rounds):
         engine.flush_cache()
@@ -116,10 +120,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
+    parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--not-streamed", action="store_true", help="requests that do not stream")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"host time per decode step, no-work model, {args.steps} steps, {args.rounds} rounds")
+    print(
+        f"host time per decode step, no-work model, {args.steps} steps, {args.rounds} rounds, "
+        f"--stream-interval {args.stream_interval}" + (", not streamed" * args.not_streamed)
+    )
     print(f"{'batch':>6} {'step us':>8} " + " ".join(f"{p:>11}" for p in PARTS) + " per request")
     for batch in args.batches:
         engine = Engine(
@@ -130,10 +139,11 @@ def main(argv: list[str] | None = None) -> None:
                 kv_cache_tokens=batch * (PROMPT_LEN + args.steps + 32) + 4096,
                 max_running_requests=max(batch, 1),
                 max_prefill_tokens=batch * PROMPT_LEN,
+                stream_interval=args.stream_interval,
             )
         )
         try:
-            r = measure(engine, batch, args.steps, args.rounds)
+            r = measure(engine, batch, args.steps, args.rounds, stream=not args.not_streamed)
         finally:
             engine.close()
         parts = " ".join(f"{1e6 * r[p]:>11.0f}" for p in PARTS)
