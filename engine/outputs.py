@@ -124,7 +124,8 @@ def check_stop(
                 req.text = req.text[: hit[0]]
                 req.stop_reason = hit[1]
                 return FinishReason.STOP
-        _compact(req)
+        if len(req.text) >= COMPACT_CHARS:  # shorter: nothing to move
+            _compact(req)
     if n_out >= params.max_tokens or len(req.prompt_ids) + n_out >= max_model_len:
         return FinishReason.LENGTH
     return None
