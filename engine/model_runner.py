@@ -81,19 +81,21 @@ class ModelRunner:
         self.futures = futures
 
     def _upload(self, parts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
-        """Every int64 input of one step in one buffer, one host -> device copy.
+        """Every int64 input of one step in one buffer, one host -> device copy. A tensor
+        among ``parts`` is on the CPU (read here without waiting for the device).
 
         NOTE: ``torch.tensor(list, device=...)`` or a blocking ``.to()`` from pageable
         memory waits for everything queued on the stream; here the buffer is pinned (on
         accelerators) and the copy asynchronous, so the host runs ahead of the device.
         """
         sizes = [len(p) if isinstance(p, list) else p.numel() for p in parts]
-        host = staging_empty(sum(sizes), torch.int64, self.device)
-        offset = 0
-        for part, size in zip(parts, sizes):
-            values = part if isinstance(part, torch.Tensor) else torch.tensor(part)
-            host[offset : offset + size] = values.reshape(-1)
-            offset += size
+        values: list[int] = []
+        for part in parts:  # one Python list, one tensor: torch calls cost more than ints
+            values.extend(part if isinstance(part, list) else part.tolist())
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cpu":
+            staged = staging_empty(len(values), torch.int64, self.device)
+            host = staged.copy_(host)
         return list(host.to(self.device, non_blocking=True).split(sizes))
 
     def _host_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int], bool]:
