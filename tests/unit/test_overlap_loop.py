@@ -334,3 +334,30 @@ def test_async_engine_streams_overlapped(pair: Pair, tiny_llama_dir: Path) -> No
     streamed = asyncio.run(run())
     assert streamed == [(p[0], p[1]) for p in plain]
     assert engine.loop.overlapped_steps > 0  # type: ignore[attr-defined]
+
+
+def test_outputs_due_alike_with_a_stream_interval(tiny_llama_dir: Path) -> None:
+    """--stream-interval and requests that do not stream: each request gets the same
+    outputs (when, and with which deltas) from both loops."""
+    engines = Pair(tiny_llama_dir, kv_cache_tokens=4096, stream_interval=3)
+    params = [
+        SamplingParams(max_tokens=5 + 2 * i, temperature=0, ignore_eos=True, stream=i % 3 > 0)
+        for i in range(len(PROMPTS))
+    ]
+
+    def outputs(eng: Engine) -> list[list[tuple[Any, ...]]]:
+        ids = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        seen: dict[str, list[tuple[Any, ...]]] = {i: [] for i in ids}
+        while not all(s and s[-1][-1] for s in seen.values()):
+            for out in eng.loop.step():
+                seen[out.request_id].append((out.new_token_ids, out.new_text, out.finished))
+        return [seen[i] for i in ids]
+
+    try:
+        engines.fresh()
+        plain, over = outputs(engines.plain), outputs(engines.over)
+        assert over == plain
+        assert [len(o) for o in plain[:3]] == [2, 3, 4]  # not streamed; 7 and 9 tokens, by 3
+        engines.check_overlapped()
+    finally:
+        engines.close()
