@@ -42,9 +42,9 @@ def decoder_of(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a character.
 
-    It keeps a small window of token ids: ``[prefix_offset, read_offset)`` is text
-    already emitted, kept only as decoding context, and ``[read_offset, end)`` is not
-    emitted yet. Each ``add`` decodes the window twice (with and without the new tokens)
+    It keeps a small window of token ids: ``[0, read_offset)`` is text already
+    emitted, kept only as decoding context, and ``[read_offset, end)`` is not emitted
+    yet. Each ``add`` decodes the window twice (with and without the new tokens)
     and emits the difference, so decoder rules that depend on neighbouring tokens
     (SentencePiece's leading space, ByteLevel byte pairs) come out as in a full decode.
 
@@ -69,9 +69,8 @@ class IncrementalDetokenizer:
             # and shift the first delta; decode the output on its own instead.
             context, context_text = [], ""
         self._token_ids = context  # window: context tokens, then output tokens
-        self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = context_text  # decode of [prefix_offset, read_offset)
+        self._prefix_text = context_text  # decode of [0, read_offset)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._decode_ids(token_ids) if token_ids else ""
@@ -79,7 +78,7 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Append output tokens; return the text they complete (may be empty)."""
         self._token_ids.extend(token_ids)
-        text = self._decode(self._token_ids[self._prefix_offset :])
+        text = self._decode(self._token_ids)
         if text.endswith(REPLACEMENT_CHAR) or len(text) <= len(self._prefix_text):
             return ""  # incomplete character, or nothing visible yet
         return self._emit(text)
@@ -88,14 +87,12 @@ class IncrementalDetokenizer:
         """Return whatever is held back (the request has finished)."""
         if self._read_offset == len(self._token_ids):
             return ""
-        text = self._decode(self._token_ids[self._prefix_offset :])
-        return self._emit(text)
+        return self._emit(self._decode(self._token_ids))
 
     def _emit(self, text: str) -> str:
         delta = text[len(self._prefix_text) :]
         # The emitted tokens become the context of the next window.
         del self._token_ids[: self._read_offset]
-        self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
         self._prefix_text = self._decode(self._token_ids)
         return delta

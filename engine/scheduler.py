@@ -189,9 +189,9 @@ class Scheduler:
 
     def _pick_batch(self) -> ScheduledBatch | None:
         if self.mixed:
-            decodes = sum(1 for r in self.running if self._decode_ready(r))
             # Decodes that fill the whole token budget would starve prefill: alternate.
-            if decodes < self.max_prefill_tokens:
+            budget, running = self.max_prefill_tokens, self.running
+            if len(running) < budget or sum(map(self._decode_ready, running)) < budget:
                 return self._pick_mixed()
         return self._pick_alternating()
 
