@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams, outputs
+from engine import Engine, EngineConfig, SamplingParams
+from engine import outputs as engine_outputs
 from engine.request import Req, RequestOutput
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -102,15 +103,15 @@ def test_old_text_moves_out_of_the_growing_string_without_changing_any_output(
     stops = [text[40 : 40 + stop]] if stop else []
     params = SamplingParams(max_tokens=60, temperature=0, stop=stops, stream=stream)
     expected = _run(tiny_llama_dir, interval, params)
-    monkeypatch.setattr(outputs, "COMPACT_CHARS", 5)
+    monkeypatch.setattr(engine_outputs, "COMPACT_CHARS", 5)
     longest: list[int] = []
-    seen = outputs._compact
+    seen = engine_outputs._compact
 
     def watched(req: Req) -> None:
         seen(req)
         longest.append(len(req.text))
 
-    monkeypatch.setattr(outputs, "_compact", watched)
+    monkeypatch.setattr(engine_outputs, "_compact", watched)
     got = _run(tiny_llama_dir, interval, params)
     assert [(o.new_token_ids, o.new_text, o.finished) for o in got] == [
         (o.new_token_ids, o.new_text, o.finished) for o in expected
