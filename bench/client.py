@@ -51,7 +51,8 @@ class RequestResult:
     send_time: float = 0.0  # start of the last attempt
     ttft: float | None = None
     e2e_latency: float | None = None
-    itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    # gaps between streamed chunks, per token where the usage says chunks held several
+    itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0  # as the server counted them (usage), else prompt_len
     output_tokens: int = 0
     cached_tokens: int | None = None
@@ -335,6 +336,11 @@ class CompletionClient:
         result.output_tokens = chunks
         if usage is not None:
             _apply_usage(result, usage)
+        if 1 < chunks < result.output_tokens:
+            # Chunks of several tokens (a server's --stream-interval): each gap is shared
+            # by the tokens after the first, as SGLang's bench_serving shares it.
+            per_chunk = (result.output_tokens - 1) / (chunks - 1)
+            result.itl = [gap / per_chunk for gap in result.itl]
         result.ok = True
 
 

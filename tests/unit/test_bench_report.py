@@ -52,6 +52,7 @@ class FakeState:
     api_key: str | None = None
     reject_first: int = 0  # answer this many completions with 503 first
     chunk_delay: float = 0.004
+    tokens_per_chunk: int = 1  # after the first chunk's one token (--stream-interval)
     log: list[dict[str, Any]] = field(default_factory=list)
     attempts: int = 0
     flushes: int = 0
@@ -118,7 +119,8 @@ async def _stream(
 ) -> AsyncIterator[str]:
     import asyncio
 
-    for i in range(int(entry["body"]["max_tokens"])):
+    tokens = int(entry["body"]["max_tokens"])
+    for i in [0, *range(1, tokens, state.tokens_per_chunk)]:
         await asyncio.sleep(state.chunk_delay if state.mode != "slow" else 0.3)
         chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
         yield f"data: {json.dumps(chunk)}\n\n"
@@ -170,6 +172,20 @@ def _no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
     # A launched server's log may be quoted (indented, "  server| ..."); ours never.
     for line in (proc.stderr + proc.stdout).splitlines():
         assert not line.startswith("Traceback"), proc.stderr
+
+
+def test_itl_is_per_token_when_chunks_carry_several(
+    fake: tuple[str, FakeState], tmp_path: Path
+) -> None:
+    url, state = fake
+    state.tokens_per_chunk, state.chunk_delay = 3, 0.03  # 4 tokens: chunks of 1 and 3
+    out = tmp_path / "r.json"
+    proc = bench("run", "--base-url", url, *SMALL, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["total_output_tokens"] == 9 * 4  # from the usage, not the 2 chunks
+    # one 30 ms gap between the chunks, shared by the second chunk's 3 tokens
+    assert 0.008 <= report["itl"]["p50"] <= 0.02
 
 
 def test_run_report_matches_fake_server_log(fake: tuple[str, FakeState], tmp_path: Path) -> None:
