@@ -337,8 +337,8 @@ class CompletionClient:
         if usage is not None:
             _apply_usage(result, usage)
         if 1 < chunks < result.output_tokens:
-            # Chunks of several tokens (a server's --stream-interval): each gap is shared
-            # by the tokens after the first, as SGLang's bench_serving shares it.
+            # Chunks of several tokens (a server's --stream-interval): each gap is divided
+            # by the tokens a chunk brought on average (only the total is reported).
             per_chunk = (result.output_tokens - 1) / (chunks - 1)
             result.itl = [gap / per_chunk for gap in result.itl]
         result.ok = True
