@@ -123,6 +123,8 @@ class ModelRunner:
     @staticmethod
     def _sample_ends(batch: ScheduledBatch) -> tuple[list[int], list[Req]]:
         """Index of the last token of each sequence that samples, and its request."""
+        if batch.is_decode and all(batch.sample):  # one token each, every one samples
+            return list(range(len(batch.reqs))), list(batch.reqs)
         ends: list[int] = []
         sampling: list[Req] = []
         offset = 0
