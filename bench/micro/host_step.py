@@ -17,9 +17,9 @@ step is host work only: scheduling with the KV slots of every request
 sampling (``ModelRunner.run``), and landing the tokens: stops, detokenization, outputs
 (``Engine._postprocess``). ``--batches`` prompts of 16 tokens start together, greedy, no
 EOS; once all decode, ``--steps`` steps are timed. ``--stream-interval`` and
-``--not-streamed`` set how often a running request gets an output (``output_due``). Rounds repeat this; the first warms
-up. Printed per batch: medians over rounds of the step, its parts and the step per
-request, in microseconds.
+``--not-streamed`` set how often a running request gets an output (``output_due``).
+Rounds repeat this; the first warms up. Printed per batch: medians over rounds of the
+step, its parts and the step per request, in microseconds.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class NoWorkModel(torch.nn.Module):
 
 
 def _timed(owner: Any, name: str, spent: dict[str, float]) -> None:
-    """Add the seconds of every call of ``owner.name`` to ``spent[name]``."""
+    """Add the seconds of every call of ``owner.name`` to ``spent`` under the name
+    without its leading underscore."""
     method: Callable[..., Any] = getattr(owner, name)
     key = name.lstrip("_")
 
@@ -98,8 +99,9 @@ def measure(
     per_round: list[dict[str, float]] = []
     for _ in range(rounds):
         engine.flush_cache()
-        ids = {engine.add_request(p, params) for p in prompts}
-        while sum(1 for r in engine.scheduler.running if r.output_ids) < len(ids):
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        while sum(1 for r in engine.scheduler.running if r.output_ids) < batch:
             engine.step()  # the prefill
         spent.clear()
         started = time.perf_counter()
