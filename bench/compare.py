@@ -84,6 +84,9 @@ class LaunchOptions:
     startup_timeout: float = 300.0
     replicas: int = 2  # per fleet target
     router_args: tuple[str, ...] = ()  # extra smg flags of fleet targets
+    # The module launched with ``python -m``: the server, or a wrapper that takes its flags
+    # (``bench.micro.no_work_server``).
+    module: str = "server"
 
 
 def server_flags(config: str, options: LaunchOptions) -> list[str]:
@@ -134,7 +137,7 @@ class LaunchedServer:
         self.command = [
             sys.executable,
             "-m",
-            "server",
+            options.module,
             "--host",
             "127.0.0.1",
             "--port",

@@ -2,7 +2,7 @@
 
     python -m bench.http_cost [--model default] [--num-prompts 32] [--input-len 256]
                               [--output-len 64] [--max-concurrency 32] [--dtype float32]
-                              [--stream-interval 1]
+                              [--stream-interval 1] [--no-work-model]
 
 Rounds of two runs, one after the other so they never share the CPU: the ``random``
 workload of ``hiserve-bench`` through the engine in this process (``max_concurrency`` in
@@ -22,6 +22,11 @@ It also prints the per-token Python work the serving path adds on top of a step,
 on the same prompts: incremental detokenization (it runs on the engine thread, inside
 every step) and building and framing one SSE chunk (on the HTTP side), in microseconds
 per token.
+
+With ``--no-work-model`` both engines run ``bench.micro.host_step``'s model, whose forward
+and LM head return constants (the server through ``bench.micro.no_work_server``): every
+step is host work only, as on a GPU whose forward costs the host nothing, so the ratio
+says what the HTTP side takes from a host that has nothing else to wait for.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from bench.compare import LaunchedServer, LaunchOptions
+from bench.micro.host_step import NoWorkModel
 from bench.runner import RunOptions, RunState, run_blocking
 from bench.workloads import Workload, WorkloadConfig, generate
 from engine import Engine, EngineConfig, SamplingParams
@@ -133,15 +141,31 @@ def per_token_cost(
     return PerTokenCost(1e6 * detokenize_s / total, 1e6 * sse_s / total)
 
 
-def thread_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) of process ``pid``'s main thread, from /proc (Linux);
-    None where it cannot be read. The server's main thread runs its event loop."""
+def thread_cpu_s(pid: int, whole_process: bool = False) -> float | None:
+    """CPU seconds (user + system) of process ``pid``'s main thread (or, with
+    ``whole_process``, of all its threads), from /proc (Linux); None where it cannot be
+    read. The server's main thread runs its event loop."""
+    path = f"/proc/{pid}/stat" if whole_process else f"/proc/{pid}/task/{pid}/stat"
     try:
-        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+        stat = Path(path).read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after the name, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> tuple[float, float] | None:
+    """CPU seconds of process ``pid`` (all threads) and of its child processes (the
+    engine's own with ``--engine-process``); None where /proc cannot be read."""
+    own = thread_cpu_s(pid, whole_process=True)
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    spent = [thread_cpu_s(int(child), whole_process=True) for child in children]
+    if own is None:
+        return None
+    return own, sum(s for s in spent if s is not None)
 
 
 @dataclass(frozen=True)
@@ -149,6 +173,9 @@ class Round:
     offline: float  # output tokens/s
     served: float
     loop_us_per_token: float | None  # the server's event-loop thread, CPU per output token
+    # CPU per output token of the server's process (all threads) and of its children (the
+    # engine's process with --engine-process); None where /proc cannot be read
+    process_us_per_token: tuple[float, float] | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,6 +211,16 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="the server flag: a streamed request's chunk every this many tokens",
     )
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the server flag: the served engine in a child process of its own",
+    )
+    parser.add_argument(
+        "--no-work-model",
+        action="store_true",
+        help="both engines' forward and LM head return constants: host work only",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -205,13 +242,22 @@ def main(argv: list[str] | None = None) -> None:
             disable_overlap_schedule=args.disable_overlap_schedule,
         )
     )
+    if args.no_work_model:
+        engine.runner.model = NoWorkModel(engine.runner.model)
+        torch.set_num_threads(1)  # as bench.micro.no_work_server sets it for the server
     engine.generate([workloads[0].requests[0].prompt], SamplingParams(max_tokens=2))  # warm-up
     options = LaunchOptions(
         model=args.model,
         dtype=args.dtype,
         kv_cache_tokens=args.kv_cache_tokens,
         startup_timeout=args.startup_timeout,
-        extra_args=(*overlap_flag, "--stream-interval", str(args.stream_interval)),
+        extra_args=(
+            *overlap_flag,
+            "--stream-interval",
+            str(args.stream_interval),
+            *(("--engine-process",) if args.engine_process else ()),
+        ),
+        module="bench.micro.no_work_server" if args.no_work_model else "server",
     )
     rounds: list[Round] = []
     cost: PerTokenCost | None = None
@@ -232,18 +278,26 @@ def main(argv: list[str] | None = None) -> None:
                     cost = per_token_cost(engine.tokenizer, prompts, outputs)
                 state = RunState("served", server.url, len(workload.requests))
                 before = thread_cpu_s(pid)
+                before_all = process_cpu_s(pid)
                 run_blocking(
                     state,
                     workload,
                     RunOptions(max_concurrency=args.max_concurrency, progress=False),
                 )
                 after = thread_cpu_s(pid)
+                after_all = process_cpu_s(pid)
                 served = served_tokens_per_s(state)
                 tokens = sum(r.output_tokens for r in state.results)
                 loop_us = (
                     None if before is None or after is None else 1e6 * (after - before) / tokens
                 )
-                rounds.append(Round(offline, served, loop_us))
+                per_process = None
+                if before_all is not None and after_all is not None:
+                    per_process = (
+                        1e6 * (after_all[0] - before_all[0]) / tokens,
+                        1e6 * (after_all[1] - before_all[1]) / tokens,
+                    )
+                rounds.append(Round(offline, served, loop_us, per_process))
         engine_overlap = engine.overlap
     finally:
         engine.close()
@@ -252,9 +306,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output "
         f"tokens each, greedy, --dtype {args.dtype}, {args.max_concurrency} in flight, overlapped "
         f"scheduling {'on' if engine_overlap else 'off'}"
+        + (", no-work model (host work only)" if args.no_work_model else "")
     )
     for i, r in enumerate(rounds, 1):
         loop = "" if r.loop_us_per_token is None else f", event loop {r.loop_us_per_token:.1f} us"
+        if r.process_us_per_token is not None:
+            server_us, children_us = r.process_us_per_token
+            loop += f", server process {server_us:.1f} us"
+            if args.engine_process:
+                loop += f", engine process {children_us:.1f} us"
         print(
             f"round {i}: offline {r.offline:8.1f} output tok/s, served (HTTP) {r.served:8.1f}: "
             f"{100 * r.served / r.offline:.0f}%{loop}"

@@ -8,28 +8,22 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import platform
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import EngineDeadError, EngineOverloadedError, StreamStalledError
 from engine.output_streams import OutputChannel, Stream, merge_outputs, put_all
 from engine.request import RequestOutput, SamplingParams
 from engine.scheduler import QueueFullError
 
+if TYPE_CHECKING:
+    from engine.engine_process import EngineProcess
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "StreamStalledError"]
+
 logger = logging.getLogger("hiserve.engine")
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; retry later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running."""
-
-
-class StreamStalledError(RuntimeError):
-    """The reader of a stream stopped taking outputs for too long; the request was ended."""
 
 
 class AsyncEngine:
@@ -39,7 +33,9 @@ class AsyncEngine:
     ``_inbox`` (commands) and per-request asyncio queues (outputs).
     """
 
-    def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine: Engine | EngineProcess | None = None) -> None:
+        # An EngineProcess stands in for an engine that runs in a child process
+        # (--engine-process): the same surface, its outputs arriving through step().
         self.engine = engine or Engine(config)
         self.engine.prepare_grammar()  # here, in the loading thread, not on the loop
         self.config = self.engine.config
@@ -228,7 +224,8 @@ class AsyncEngine:
                 stream.pending = None
                 del self._backlog[request_id]
                 self._streams.pop(request_id, None)
-                if self.engine.abort(request_id) is not None:
+                ended = self.engine.abort(request_id)
+                if ended is not None or getattr(self.engine, "aborts_later", False):
                     logger.warning(
                         "request %s ended: its reader took nothing for %.0f s",
                         request_id,
@@ -245,7 +242,14 @@ class AsyncEngine:
         if not self.is_alive():
             raise EngineDeadError("the engine loop is not running")
         self._inbox.put(command)
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake the loop thread, also where it waits inside an engine in another process."""
         self._wake.set()
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:
+            wake()
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -299,7 +303,7 @@ class AsyncEngine:
                 stream.taken += 1
                 stream.last_read = time.monotonic()
                 if stream.pending is not None:
-                    self._wake.set()  # the held-back output may go out now
+                    self._notify()  # the held-back output may go out now
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -316,6 +320,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         def do_abort() -> None:
             out = self.engine.abort(request_id)
+            if getattr(self.engine, "aborts_later", False):
+                return  # an engine in another process: its final output comes as a step's
             stream = self._streams.pop(request_id, None)
             self._backlog.pop(request_id, None)
             if stream is not None and out is not None:

@@ -165,10 +165,14 @@ class EngineConfig(SchedulerConfig):
     # Largest decode batch replayed from a graph; None: max_running_requests.
     cuda_graph_max_bs: int | None = None
     # The overlapped loop (engine/step_loop.py) launches step N+1 before step N's tokens
-    # reach the host. None: on for cuda and musa, off on the CPU (measured: no gain where
-    # host and forward share the cores) and other devices; off under tensor parallelism.
-    # SGLang's flag name.
+    # reach the host. None: off everywhere until a device check has run it on a GPU
+    # (step_loop.OVERLAP_DEVICES; on the CPU it gains nothing: host and forward share the
+    # cores); always off under tensor parallelism. SGLang's flag name.
     disable_overlap_schedule: bool | None = None
+    # The server runs the engine loop in a child process of its own
+    # (engine/engine_process.py), so the HTTP side's Python never waits for the engine's
+    # on one interpreter lock. Read by the server's engine factory only.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)

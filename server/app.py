@@ -44,6 +44,10 @@ RETRY_AFTER_LOADING = 5
 def default_engine_factory(config: EngineConfig) -> Any:
     from engine.async_engine import AsyncEngine
 
+    if config.engine_process:
+        from engine.engine_process import EngineProcess
+
+        return AsyncEngine(config, EngineProcess(config))
     return AsyncEngine(config)
 
 

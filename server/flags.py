@@ -174,6 +174,13 @@ FLAG_TABLE: tuple[FlagSpec, ...] = (
         "disable_overlap_schedule",
     ),
     FlagSpec(
+        "engine-process",
+        "run the engine loop in a child process of its own, as SGLang's scheduler and "
+        "vLLM's engine core run, so the HTTP side's Python never waits for the engine's "
+        "(default: in a thread of the server's process)",
+        "engine_process",
+    ),
+    FlagSpec(
         "cuda-graph-max-bs",
         "largest decode batch replayed from a device graph (default: --max-running-requests)",
         "cuda_graph_max_bs",

@@ -34,12 +34,15 @@ def _unhealthy(base_url: str) -> bool:
 
 
 @pytest.mark.slow  # a server and a worker process start: 15-40 s on a shared 2-core box
+@pytest.mark.parametrize("engine_flags", [[], ["--engine-process"]], ids=["thread", "process"])
 def test_tp_server_serves_and_exits_nonzero_when_a_rank_dies(
-    tmp_path: Path, tiny_llama_dir: Path
+    tmp_path: Path, tiny_llama_dir: Path, engine_flags: list[str]
 ) -> None:
+    """With --engine-process, rank 0 runs in the engine's own process and starts the
+    other ranks from there; a dead rank still ends the server within 30 s."""
     server = ServerProcess(
         tmp_path / "server.log",
-        ["--model", str(tiny_llama_dir), "--tp", "2", "--kv-cache-tokens", "1024"],
+        ["--model", str(tiny_llama_dir), "--tp", "2", "--kv-cache-tokens", "1024", *engine_flags],
     )
     try:
         server.wait_ready()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.micro import host_step
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, SamplingParams
 
 
 def test_no_work_model_keeps_the_loaded_model_and_varies_its_logits(tiny_llama_dir: Path) -> None:
@@ -58,3 +58,20 @@ def test_prints_a_line_per_batch(tiny_llama_dir: Path, capsys: pytest.CaptureFix
         assert re.fullmatch(r"\s*\d+(\s+[\d.]+){5}", line), line
         assert schedule + run + post <= step + 3  # whole microseconds, rounded
         assert per_request == pytest.approx(step / int(line.split()[0]), abs=0.6)
+
+
+def test_the_no_work_server_patches_every_engine_it_builds(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.micro import no_work_server
+
+    monkeypatch.setattr(Engine, "__init__", Engine.__init__)  # restored after the test
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    no_work_server.patch_engine()
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", kv_cache_tokens=1024))
+    try:
+        assert isinstance(engine.runner.model, host_step.NoWorkModel)
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3 and max(out.token_ids) < host_step.LOGIT_IDS
+    finally:
+        engine.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +66,26 @@ def test_thread_cpu_reads_the_main_threads_time() -> None:
     after = http_cost.thread_cpu_s(os.getpid())
     assert after is not None and after - before >= 0.2
     assert http_cost.thread_cpu_s(2**22 + 12345) is None  # no such process
+
+
+def test_process_cpu_counts_the_process_and_its_children() -> None:
+    burn = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+    before = http_cost.process_cpu_s(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", burn + "\ninput()"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        spent = 0.0
+        while spent < 0.3 and time.monotonic() < deadline:  # its CPU while it is alive
+            now = http_cost.process_cpu_s(os.getpid())
+            assert before is not None and now is not None
+            spent = now[1] - before[1]
+            time.sleep(0.05)
+        assert 0.3 <= spent < 5
+    finally:
+        child.communicate(b"\n")
+    own = http_cost.process_cpu_s(os.getpid())
+    assert own is not None and own[0] >= (http_cost.thread_cpu_s(os.getpid()) or 0)
+    assert http_cost.process_cpu_s(2**22 + 12345) is None
 
 
 def test_a_failed_served_run_is_not_reported_as_a_rate() -> None:

@@ -21,6 +21,7 @@ MICRO = {
     "int8_activations",
     "kernel_resources",
     "host_step",
+    "no_work_server",
 }
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {

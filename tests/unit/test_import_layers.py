@@ -74,8 +74,10 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.build": 7,
     "engine.step_loop": 7,
     "engine.engine": 8,
-    "engine.async_engine": 9,
-    "engine": 10,  # the package's own __init__ re-exports the public names
+    "engine.engine_core": 9,
+    "engine.engine_process": 9,
+    "engine.async_engine": 10,
+    "engine": 11,  # the package's own __init__ re-exports the public names
 }
 # Modules that build and wire collaborators: they set attributes only on ``self``.
 WIRING_MODULES = (
