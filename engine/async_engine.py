@@ -60,7 +60,8 @@ class AsyncEngine:
         self._accepting = True
         self._error: BaseException | None = None
         self._stats: dict[str, float] = self.engine.stats()
-        self._health: dict[str, object] = self.engine.health()
+        # Where the engine runs: an EngineProcess's health says True.
+        self._health: dict[str, object] = {"engine_process": False, **self.engine.health()}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -83,7 +83,7 @@ class EngineProcess:
         self.vocab_size = info.vocab_size
         self.served_model_name = info.served_model_name
         self._kv_capacity = info.kv_capacity
-        self._health = info.health
+        self._health = {**info.health, "engine_process": True}
         self._stats = info.stats
         self._inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._prompts: dict[str, list[int]] = {}  # requests in the child, by id

@@ -89,6 +89,8 @@ def test_outputs_are_those_of_the_engine_in_a_thread(
     in_process: AsyncEngine, tiny_llama_dir: Path
 ) -> None:
     threaded = AsyncEngine(config_of(tiny_llama_dir))
+    assert threaded.health()["engine_process"] is False
+    assert in_process.health()["engine_process"] is True
     threaded.start()
     try:
         expected = run_all(threaded)
