@@ -25,6 +25,8 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "StreamSta
 
 logger = logging.getLogger("hiserve.engine")
 
+ABORTS_WAIT_S = 5.0  # the wait for an engine process's abort outputs at shutdown
+
 
 class AsyncEngine:
     """Thread-safe front of an ``Engine``: HTTP work never blocks the loop and vice versa.
@@ -142,6 +144,8 @@ class AsyncEngine:
             # requests that outlived the grace), and any stream left gets a final
             # output: no caller waits forever on a loop that is gone.
             self._drain_inbox()
+            if getattr(engine, "aborts_later", False):
+                self._await_aborts(driver)
             for request_id, stream in list(self._streams.items()):
                 del self._streams[request_id]
                 out = engine.abort(request_id)
@@ -159,6 +163,15 @@ class AsyncEngine:
         finally:
             if self._stopping:
                 self._close_engine()
+
+    def _await_aborts(self, driver: Any) -> None:
+        """Deliver the final outputs of shutdown's aborts from an engine in another
+        process (they come as a step's), for at most ABORTS_WAIT_S."""
+        deadline = time.monotonic() + ABORTS_WAIT_S
+        while self._streams and driver.has_work and time.monotonic() < deadline:
+            outputs = driver.step()
+            if outputs:
+                self._deliver(outputs)
 
     def _drain_inbox(self) -> None:
         while True:

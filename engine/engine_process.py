@@ -29,6 +29,7 @@ blocks on a full pipe while the parent sends it a long prompt. The child ignores
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -71,6 +72,10 @@ class EngineProcess:
         )
         self._process.start()
         child_conn.close()
+        # NOTE: multiprocessing joins a non-daemon child at exit, and this one runs until
+        # told to stop: an engine never closed (a server stopped while it loaded) would
+        # hang the exit. Registered after multiprocessing's own hook, so it runs first.
+        atexit.register(self.close)
         try:
             info = self._wait_ready()
         except BaseException:
@@ -200,6 +205,7 @@ class EngineProcess:
         return ready
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self._closing = True
         if self._process.is_alive():
             with contextlib.suppress(OSError):

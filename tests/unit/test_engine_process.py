@@ -11,6 +11,8 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from multiprocessing import Pipe
@@ -180,6 +182,43 @@ def test_shutdown_ends_the_engine_process(tiny_llama_dir: Path) -> None:
     assert all(o[-1].finished for o in outs)
     stop(async_engine)
     assert process.exitcode == 0
+
+
+def test_shutdown_ends_a_request_past_the_grace_with_its_abort_output(
+    tiny_llama_dir: Path,
+) -> None:
+    async_engine = start(config_of(tiny_llama_dir))
+
+    async def go() -> RequestOutput:
+        params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+        gen = async_engine.generate([5, 6, 7], params, "endless")
+        await gen.__anext__()
+        await async_engine.shutdown(0.1)
+        outs = [out async for out in gen]  # no EngineDeadError: the child's abort output
+        return outs[-1]
+
+    last = asyncio.run(go())
+    assert last.finished and last.finish_reason == "abort" and 0 < len(last.token_ids) < 3000
+
+
+def test_an_engine_process_never_closed_does_not_hang_the_exit(tiny_llama_dir: Path) -> None:
+    """A server stopped while its model loads drops the engine unclosed: multiprocessing
+    would join the child for ever at exit, but the engine process is stopped first."""
+    script = (
+        "from engine import EngineConfig\n"
+        "from engine.engine_process import EngineProcess\n"
+        "if __name__ == '__main__':\n"
+        f"    engine = EngineProcess(EngineConfig(model={str(tiny_llama_dir)!r}, device='cpu',"
+        " kv_cache_tokens=1024))\n"
+        "    print(engine._process.pid, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout.split()[-1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # gone with its parent
 
 
 def test_a_model_that_does_not_load_raises_here(tmp_path: Path) -> None:
