@@ -8,13 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig
+from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.engine_process import EngineProcess
+from engine.request import RequestOutput
 from tests.gpu.test_gpu_overlap import mixed_params
-from tests.unit.test_engine_process import collect
 
 pytestmark = pytest.mark.cuda
+
+
+async def collect(
+    async_engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    return [out async for out in async_engine.generate(prompt, params, rid)]
 
 
 def run(async_engine: AsyncEngine, batch: list[list[int]]) -> list[tuple[object, ...]]:
@@ -33,7 +39,7 @@ def run(async_engine: AsyncEngine, batch: list[list[int]]) -> list[tuple[object,
         asyncio.run(async_engine.shutdown(10.0))
 
 
-def test_engine_process_owns_the_device_and_matches_the_thread(tiny_model_dir: Path) -> None:
+def test_engine_process_on_cuda_matches_the_thread(tiny_model_dir: Path) -> None:
     config = EngineConfig(
         model=str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_tokens=2048
     )
