@@ -27,7 +27,8 @@ logger = logging.getLogger("hiserve.engine")
 
 IDLE_WAIT_S = 0.05  # the wait for a command while there is no work (both sides)
 STATS_EVERY_S = 0.05  # a step without an ended request sends the stats at most this often
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's
+# The server's log lines (server/__main__.py) and so the engine process's.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ The protocol (pickled tuples; one pipe each way):
 - child -> parent: ``("ready", info)`` or ``("failed", error)`` once; then
   ``("out", outputs, stats)`` after every step that had outputs (an abort's final output
   too; ``stats`` None where they were sent less than STATS_EVERY_S ago and no request
-  ended), ``("stats", stats)`` otherwise at most as often, when they changed, ``("reply", seq, value, stats)``,
-  ``("fatal", error)`` (a tensor-parallel rank died).
+  ended), ``("stats", stats)`` otherwise, at most as often and when they changed,
+  ``("reply", seq, value, stats)`` for a flush, ``("fatal", error)`` (a tensor-parallel
+  rank died).
 
 Outputs travel without ``prompt_token_ids`` (the parent has every prompt it sent). A
 request the child refuses (queue full, duplicate id) comes back as a finished output

@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from engine.engine_core import LOG_FORMAT
 from engine.heap import freeze_objects
 from server.app import create_app
 from server.args import ServerArgs, parse_args
@@ -59,9 +60,7 @@ def arm_exit_deadline(seconds: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server; 0 after a drained shutdown (SIGTERM/SIGINT), 1 if the model fails."""
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     for note in args.notes:
         logging.getLogger("server").info(note)
     exit_code = 0
