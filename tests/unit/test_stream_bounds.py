@@ -16,6 +16,7 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamStalledError
+from engine.engine_process import EngineProcess
 from engine.output_streams import merge_outputs
 from engine.request import RequestOutput, TokenLogprob
 from server.engine_client import MERGE_QUEUE_PER_MEMBER, EngineClient
@@ -28,12 +29,20 @@ PROMPT = [100 + i for i in range(12)]
 WAIT_S = 120.0  # generous: a loaded 2-core machine
 
 
-def _engine(model_dir: Path, **kw: object) -> AsyncEngine:
+# Where the engine runs: a thread of this process, or its own (--engine-process), where
+# the pauses and the stall's abort cross the pipe.
+WHERE = pytest.mark.parametrize("where", ["thread", "process"])
+
+
+def _engine(model_dir: Path, where: str = "thread", **kw: object) -> AsyncEngine:
     config = EngineConfig(
         model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=2048, **kw
     )  # type: ignore[arg-type]
-    engine = AsyncEngine(config)
-    engine.engine.check_invariants = True
+    if where == "process":
+        engine = AsyncEngine(config, EngineProcess(config))
+    else:
+        engine = AsyncEngine(config)
+        engine.engine.check_invariants = True  # type: ignore[union-attr]
     engine.start()
     return engine
 
@@ -50,9 +59,10 @@ def _kv_idle(engine: AsyncEngine) -> bool:
     return stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_used"] == 0
 
 
-def test_stalled_reader_is_ended_and_its_kv_freed(tiny_llama_dir: Path) -> None:
+@WHERE
+def test_stalled_reader_is_ended_and_its_kv_freed(tiny_llama_dir: Path, where: str) -> None:
     async def main() -> None:
-        engine = _engine(tiny_llama_dir, max_queued_outputs=3, stream_stall_timeout=0.3)
+        engine = _engine(tiny_llama_dir, where, max_queued_outputs=3, stream_stall_timeout=0.3)
         try:
             stalled = engine.generate(PROMPT, ENDLESS, "stalled")
             first = await stalled.__anext__()
@@ -65,8 +75,10 @@ def test_stalled_reader_is_ended_and_its_kv_freed(tiny_llama_dir: Path) -> None:
             await _until(lambda: not engine._backlog and _kv_idle(engine))
             generated = engine.stats()["generation_tokens_total"]
             assert generated < ENDLESS.max_tokens, "the stalled request ran to its end"
-            manager = engine.engine.kv.manager
-            assert manager.allocator.free_tokens + manager.tree.cached_tokens == manager.capacity
+            if where == "thread":
+                manager = engine.engine.kv.manager  # type: ignore[union-attr]
+                free = manager.allocator.free_tokens
+                assert free + manager.tree.cached_tokens == manager.capacity
             got: list[RequestOutput] = []
             with pytest.raises(StreamStalledError, match="stream-stall-timeout"):
                 async for out in stalled:
@@ -79,9 +91,10 @@ def test_stalled_reader_is_ended_and_its_kv_freed(tiny_llama_dir: Path) -> None:
     asyncio.run(main())
 
 
-def test_slow_reader_gets_every_token_as_merged_deltas(tiny_llama_dir: Path) -> None:
+@WHERE
+def test_slow_reader_gets_every_token_as_merged_deltas(tiny_llama_dir: Path, where: str) -> None:
     async def main() -> None:
-        engine = _engine(tiny_llama_dir, max_queued_outputs=2, stream_stall_timeout=600.0)
+        engine = _engine(tiny_llama_dir, where, max_queued_outputs=2, stream_stall_timeout=600.0)
         try:
             gen = engine.generate(PROMPT, LONG, "slow")
             first = await gen.__anext__()
