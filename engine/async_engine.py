@@ -146,6 +146,13 @@ class AsyncEngine:
             self._drain_inbox()
             if getattr(engine, "aborts_later", False):
                 self._await_aborts(driver)
+            # A reader that was behind still gets what was held back for it (the loop
+            # that would have handed it over is ending), then its final output.
+            for stream in self._backlog.values():
+                if stream.pending is not None:
+                    stream.put(stream.pending)
+                    stream.pending = None
+            self._backlog.clear()
             for request_id, stream in list(self._streams.items()):
                 del self._streams[request_id]
                 out = engine.abort(request_id)
@@ -339,6 +346,9 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             self._backlog.pop(request_id, None)
             if stream is not None and out is not None:
+                if stream.pending is not None:  # a reader behind: the deltas it was owed too
+                    out = merge_outputs(stream.pending, out)
+                    stream.pending = None
                 stream.put(out)
 
         if self.is_alive():

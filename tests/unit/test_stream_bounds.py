@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.async_engine import AsyncEngine, StreamStalledError
+from engine.async_engine import AsyncEngine, EngineDeadError, StreamStalledError
 from engine.engine_process import EngineProcess
 from engine.output_streams import merge_outputs
 from engine.request import RequestOutput, TokenLogprob
@@ -118,6 +118,33 @@ def test_slow_reader_gets_every_token_as_merged_deltas(tiny_llama_dir: Path, whe
             await engine.shutdown(1.0)
 
     asyncio.run(main())
+
+
+@WHERE
+def test_a_reader_behind_at_shutdown_still_gets_an_end(tiny_llama_dir: Path, where: str) -> None:
+    """Shutdown past the grace while a reader is behind: what was held back for it and
+    its final output (the abort's, or the engine's end) still reach it."""
+
+    async def main() -> list[RequestOutput | BaseException]:
+        engine = _engine(tiny_llama_dir, where, max_queued_outputs=2, stream_stall_timeout=600.0)
+        gen = engine.generate(PROMPT, ENDLESS, "behind")
+        got: list[RequestOutput | BaseException] = [await gen.__anext__()]
+        await _until(lambda: engine.stats()["reader_pauses_total"] >= 1)
+        await engine.shutdown(0.1)
+        try:
+            async for out in gen:
+                got.append(out)
+        except EngineDeadError as exc:
+            got.append(exc)
+        return got
+
+    got = asyncio.run(asyncio.wait_for(main(), WAIT_S))
+    outs = [o for o in got if isinstance(o, RequestOutput)]
+    assert len(outs) >= 3  # the first, the queued ones, the held-back delta
+    end = got[-1]
+    assert isinstance(end, EngineDeadError) or (end.finished and end.finish_reason == "abort")
+    if isinstance(end, RequestOutput):
+        assert [t for o in outs for t in o.new_token_ids] == end.token_ids
 
 
 def _out(ids: list[int], text: str, finished: bool = False) -> RequestOutput:
