@@ -2,7 +2,7 @@
 
     python -m bench.http_cost [--model default] [--num-prompts 32] [--input-len 256]
                               [--output-len 64] [--max-concurrency 32] [--dtype float32]
-                              [--stream-interval 1] [--no-work-model]
+                              [--stream-interval 1] [--no-work-model] [--engine-process]
 
 Rounds of two runs, one after the other so they never share the CPU: the ``random``
 workload of ``hiserve-bench`` through the engine in this process (``max_concurrency`` in
@@ -32,6 +32,7 @@ says what the HTTP side takes from a host that has nothing else to wait for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -159,9 +160,13 @@ def process_cpu_s(pid: int) -> tuple[float, float] | None:
     engine's own with ``--engine-process``); None where /proc cannot be read."""
     own = thread_cpu_s(pid, whole_process=True)
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return None
+    children: list[str] = []
+    for task in tasks:  # each thread's children (the engine's: the loading thread's)
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            children += (task / "children").read_text().split()
     spent = [thread_cpu_s(int(child), whole_process=True) for child in children]
     if own is None:
         return None
