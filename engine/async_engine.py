@@ -39,6 +39,10 @@ class AsyncEngine:
         # An EngineProcess stands in for an engine that runs in a child process
         # (--engine-process): the same surface, its outputs arriving through step().
         self.engine = engine or Engine(config)
+        # An engine in another process: its abort outputs come back as a step's, and a
+        # loop thread waiting inside its step() is woken through it.
+        self._aborts_later = bool(getattr(self.engine, "aborts_later", False))
+        self._engine_wake: Callable[[], None] | None = getattr(self.engine, "wake", None)
         self.engine.prepare_grammar()  # here, in the loading thread, not on the loop
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
@@ -144,7 +148,7 @@ class AsyncEngine:
             # requests that outlived the grace), and any stream left gets a final
             # output: no caller waits forever on a loop that is gone.
             self._drain_inbox()
-            if getattr(engine, "aborts_later", False):
+            if self._aborts_later:
                 self._await_aborts(driver)
             # A reader that was behind still gets what was held back for it (the loop
             # that would have handed it over is ending), then its final output.
@@ -246,7 +250,7 @@ class AsyncEngine:
                 del self._backlog[request_id]
                 self._streams.pop(request_id, None)
                 ended = self.engine.abort(request_id)
-                if ended is not None or getattr(self.engine, "aborts_later", False):
+                if ended is not None or self._aborts_later:
                     logger.warning(
                         "request %s ended: its reader took nothing for %.0f s",
                         request_id,
@@ -268,9 +272,8 @@ class AsyncEngine:
     def _notify(self) -> None:
         """Wake the loop thread, also where it waits inside an engine in another process."""
         self._wake.set()
-        wake = getattr(self.engine, "wake", None)
-        if wake is not None:
-            wake()
+        if self._engine_wake is not None:
+            self._engine_wake()
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -341,7 +344,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         def do_abort() -> None:
             out = self.engine.abort(request_id)
-            if getattr(self.engine, "aborts_later", False):
+            if self._aborts_later:
                 return  # an engine in another process: its final output comes as a step's
             stream = self._streams.pop(request_id, None)
             self._backlog.pop(request_id, None)
