@@ -102,7 +102,12 @@ def test_slow_reader_gets_every_token_as_merged_deltas(tiny_llama_dir: Path, whe
             # (tests/unit/test_reader_pause.py) with the merged delta held back.
             await _until(lambda: engine.stats()["reader_pauses_total"] >= 1)
             held = engine._streams["slow"]
-            assert held.sent - held.taken <= 2 and held.pending is not None
+            assert held.sent - held.taken <= 2
+            # NOTE: in another process the pause shows in the stats up to 50 ms late, and
+            # outputs land in batches: the reader's first read may already have let the
+            # held delta into the queue (the request stays paused). In one process the
+            # pause is seen while the delta is still held.
+            assert where == "process" or held.pending is not None
             rest = [out async for out in gen]
             outs = [first, *rest]
             final = outs[-1]
