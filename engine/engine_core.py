@@ -20,6 +20,7 @@ from engine import platform
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloadedError
+from engine.output_wire import OutputEncoder
 from engine.request import FinishReason, RequestOutput
 from engine.scheduler import QueueFullError
 
@@ -101,6 +102,7 @@ class ChildSender:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.lock = threading.Lock()
+        self.encoder = OutputEncoder()  # used by the loop's thread alone
 
     def send(self, message: tuple[Any, ...]) -> None:
         try:
@@ -111,10 +113,9 @@ class ChildSender:
 
     def outputs(self, outputs: list[RequestOutput], stats: dict[str, float] | None) -> None:
         for out in outputs:
-            out.prompt_token_ids = []  # the parent has it
             if out.error is not None:
                 out.error = portable_error(out.error)  # type: ignore[assignment]
-        self.send(("out", outputs, stats))
+        self.send(("out", self.encoder.encode(outputs), stats))
 
     def fatal(self, exc: BaseException) -> None:
         """Tell the server the engine can no longer run (called from the thread that

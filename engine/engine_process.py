@@ -20,9 +20,10 @@ The protocol (pickled tuples; one pipe each way):
   ``("reply", seq, value, stats)`` for a flush, ``("fatal", error)`` (a tensor-parallel
   rank died).
 
-Outputs travel without ``prompt_token_ids`` (the parent has every prompt it sent). A
-request the child refuses (queue full, duplicate id) comes back as a finished output
-carrying the error, which the stream raises, as the in-thread engine's refusal does.
+Outputs travel without ``prompt_token_ids`` (the parent has every prompt it sent), and
+most of them as three fields only (engine/output_wire.py). A request the child refuses
+(queue full, duplicate id) comes back as a finished output carrying the error, which the
+stream raises, as the in-thread engine's refusal does.
 A parent reader thread takes every message off the pipe at once, so the child never
 blocks on a full pipe while the parent sends it a long prompt. The child ignores SIGINT
 (the server stops it), and ends when the parent's end of the pipe closes.
@@ -42,6 +43,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.engine_core import IDLE_WAIT_S, EngineInfo, child_main
 from engine.errors import EngineDeadError
+from engine.output_wire import OutputDecoder
 from engine.platform import DeviceSpec
 from engine.request import RequestOutput, SamplingParams
 from engine.request_checks import check_request
@@ -93,6 +95,7 @@ class EngineProcess:
         self._stats = info.stats
         self._inbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._prompts: dict[str, list[int]] = {}  # requests in the child, by id
+        self._decoder = OutputDecoder(self._prompts)
         self._ready: list[RequestOutput] = []  # received while waiting for a reply
         self._replies: dict[int, Any] = {}
         self._seq = 0
@@ -239,10 +242,7 @@ class EngineProcess:
             return False
         kind = message[0]
         if kind == "out":
-            for out in message[1]:
-                prompt = self._prompts.pop if out.finished else self._prompts.get
-                out.prompt_token_ids = prompt(out.request_id, None) or []
-                self._ready.append(out)
+            self._ready += self._decoder.decode(message[1])
             if message[2] is not None:
                 self._stats = message[2]
         elif kind == "stats":

@@ -22,6 +22,7 @@ MICRO = {
     "kernel_resources",
     "host_step",
     "no_work_server",
+    "output_wire",
 }
 # The load tool (python -m bench / hiserve-bench) and the engine-level benchmarks.
 TOP = {

@@ -40,6 +40,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "engine.kvcache": 2,
     "engine.outputs": 2,
     "engine.output_streams": 2,
+    "engine.output_wire": 2,
     "engine.request_checks": 2,
     "engine.grammar_pool": 1,
     "engine.grammar_worker": 1,  # the compile worker process (loads xgrammar without torch)
