@@ -6,8 +6,9 @@ the request's previous output only in its new tokens and text: the cache figures
 arrival and first-token times stay as they were. Pickled whole it is ~180 bytes and costs
 ~2 us to dump and ~2.5 us to load (19 fields, a nested dataclass) on each side of the pipe,
 per token, on the two processes whose host time bounds a GPU's served tokens/s. Such an
-output crosses as ``(request_id, new_token_ids, new_text)`` (~50 bytes, ~0.3 us each way)
-and the server's side rebuilds it from the last whole output it received for the request,
+output crosses as ``(request_id, new_token_ids, new_text)`` (~50 bytes, ~0.5 us each way
+with the encoding and the rebuilding; ``python -m bench.micro.output_wire``) and the
+server's side rebuilds it from the last whole output it received for the request,
 so what ``AsyncEngine`` sees is the same ``RequestOutput`` either way. Any other output
 (a request's first, its last, one with logprobs or an error, one whose cache figures
 changed: a retracted request that was admitted again) crosses whole and becomes the
@@ -22,8 +23,11 @@ from typing import Any
 
 from engine.request import RequestOutput
 
-# What a compact output leaves out: equal to the request's last whole output's.
+# What a compact output leaves out: equal to the request's last whole output's. The other
+# fields of an output that is not a request's last are the same on all of them (no totals,
+# no finish reason or error) or rule the compact form out (logprobs): NON_FINAL_CONSTANT.
 Fixed = tuple[Any, ...]
+NON_FINAL_CONSTANT = ("token_ids", "text", "finished", "finish_reason", "logprobs", "error")
 Compact = tuple[str, list[int], str]
 
 

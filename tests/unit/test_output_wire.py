@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import copy
 import pickle
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
+from engine import output_wire
 from engine.kvcache.miss_reasons import MissReasons
 from engine.output_wire import OutputDecoder, OutputEncoder
 from engine.request import RequestOutput, TokenLogprob
@@ -148,3 +149,31 @@ def test_the_benchmark_times_both_forms(capsys: Any) -> None:
     whole_bytes, wire_bytes = int(rows["whole"][2]), int(rows["wire"][2])
     assert wire_bytes * 2 < whole_bytes
     assert all(float(v) > 0 for v in rows["whole"][:2] + rows["wire"][:2])
+
+
+def test_every_field_of_an_output_is_either_sent_kept_or_constant_in_the_middle() -> None:
+    # A new RequestOutput field must be placed: sent in the compact form, part of the
+    # template's fixed part, or constant on every output but a request's last.
+    distinct = dict(
+        cached_tokens=31,
+        cached_tokens_device=32,
+        cached_tokens_host=33,
+        cached_tokens_storage=34,
+        cache_miss_reasons=MissReasons(evicted=35),
+        stop_reason="36",
+        first_token_time=37.5,
+        arrival_time=38.5,
+    )
+    out = output("a", 1, **distinct)
+    placed = {
+        "request_id",
+        "new_token_ids",
+        "new_text",  # the compact form
+        "prompt_token_ids",  # the server's side has it
+        "new_logprobs",
+        "prompt_logprobs",  # these rule the compact form out
+        *output_wire.NON_FINAL_CONSTANT,
+    }
+    unplaced = [f.name for f in fields(RequestOutput) if f.name not in placed]
+    assert sorted(unplaced) == sorted(distinct)
+    assert output_wire._fixed(out) == tuple(getattr(out, name) for name in distinct)
