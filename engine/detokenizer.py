@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 # Prompt tokens decoded in front of the first output token, so that tokenizers whose
 # decoder treats the start of a sequence specially (SentencePiece strips its leading
@@ -39,6 +39,20 @@ def decoder_of(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]
     return decode
 
 
+def decodes_piecewise(tokenizer: Any) -> bool:
+    """Whether ``decode(a + b) == decode(a) + decode(b)`` wherever ``decode(a)`` ends in a
+    whole character: a fast tokenizer decoded by its backend (``decoder_of``'s fast path)
+    whose decoder is ByteLevel alone (GPT-2, Llama 3, SmolLM, Qwen), which maps each
+    token to its bytes and decodes them together. Not SentencePiece's (it strips the
+    first token's leading space) nor a wrapper's clean-up of spaces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (
+        isinstance(backend, Tokenizer)
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        and isinstance(backend.decoder, decoders.ByteLevel)
+    )
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a character.
 
@@ -62,6 +76,7 @@ class IncrementalDetokenizer:
         self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True
     ) -> None:
         self._decode_ids = decoder_of(tokenizer, skip_special_tokens)
+        self._piecewise = decodes_piecewise(tokenizer)
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context)
         if context_text.endswith(REPLACEMENT_CHAR):
@@ -94,7 +109,9 @@ class IncrementalDetokenizer:
         # The emitted tokens become the context of the next window.
         del self._token_ids[: self._read_offset]
         self._read_offset = len(self._token_ids)
-        self._prefix_text = self._decode(self._token_ids)
+        # The new window is the tokens just emitted. Piecewise, the text before them ended
+        # in a whole character, so their decode is the delta: one decode a token, not two.
+        self._prefix_text = delta if self._piecewise else self._decode(self._token_ids)
         return delta
 
 

@@ -11,7 +11,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models
 
-from engine.detokenizer import IncrementalDetokenizer, StopChecker, decoder_of
+from engine.detokenizer import IncrementalDetokenizer, StopChecker, decoder_of, decodes_piecewise
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [
@@ -247,3 +247,27 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrappers_decode() -> None:
     assert (raw, cleaned) == ("hello . world !", "hello. world!")
     detok = IncrementalDetokenizer(tok, [])
     assert "".join(detok.add([t]) for t in ids) + detok.flush() == cleaned
+
+
+def test_a_bytelevel_tokenizer_decodes_once_a_token_and_others_twice(tokenizer: Any) -> None:
+    # SmolLM2's decoder is ByteLevel: the text of the tokens just emitted is the delta, so
+    # each token costs one decode (the random sequences above check the text).
+    assert decodes_piecewise(tokenizer)
+    ids = tokenizer.encode(TEXTS[2], add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    calls: list[int] = []
+    decode = detok._decode_ids
+    detok._decode_ids = lambda token_ids: calls.append(1) or decode(token_ids)  # type: ignore[method-assign]
+    text = "".join(detok.add([t]) for t in ids) + detok.flush()
+    assert text == TEXTS[2]
+    assert len(calls) == len(ids)
+    # SentencePiece (a leading space stripped) and a wrapper's clean-up keep two decodes.
+    sentencepiece = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=sentencepiece_tokenizer(), clean_up_tokenization_spaces=False
+    )
+    assert not decodes_piecewise(sentencepiece)
+    cleaned = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE()), clean_up_tokenization_spaces=True
+    )
+    cleaned.backend_tokenizer.decoder = decoders.ByteLevel()
+    assert not decodes_piecewise(cleaned)
