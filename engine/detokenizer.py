@@ -14,6 +14,17 @@ PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def _direct_backend(tokenizer: Any) -> Tokenizer | None:
+    """A fast tokenizer's Rust backend where its decode is the backend's alone (no
+    clean-up of spaces by the wrapper), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", True
+    ):
+        return backend
+    return None
+
+
 def decoder_of(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=...)`` gives it.
 
@@ -21,10 +32,8 @@ def decoder_of(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]
     spaces; where no clean-up applies, the backend is called directly. NOTE: the HF
     wrapper costs more than the decode itself (7.6 against 1.8 us a call, 2026-12-06), and
     a streamed token takes one or two decodes, on the engine thread, inside every step."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if isinstance(backend, Tokenizer) and not getattr(
-        tokenizer, "clean_up_tokenization_spaces", True
-    ):
+    backend = _direct_backend(tokenizer)
+    if backend is not None:
         backend_decode = backend.decode
 
         def decode_fast(token_ids: list[int]) -> str:
@@ -45,12 +54,8 @@ def decodes_piecewise(tokenizer: Any) -> bool:
     whose decoder is ByteLevel alone (GPT-2, Llama 3, SmolLM, Qwen), which maps each
     token to its bytes and decodes them together. Not SentencePiece's (it strips the
     first token's leading space) nor a wrapper's clean-up of spaces."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return (
-        isinstance(backend, Tokenizer)
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-        and isinstance(backend.decoder, decoders.ByteLevel)
-    )
+    backend = _direct_backend(tokenizer)
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 class IncrementalDetokenizer:
