@@ -238,14 +238,18 @@ class AsyncEngine:
         now = time.monotonic()
         limit = self.config.max_queued_outputs
         for request_id, stream in list(self._backlog.items()):
-            pending = stream.pending
-            if pending is None:
-                del self._backlog[request_id]
-            elif stream.sent - stream.taken < limit:
+            if stream.pending is not None and stream.sent - stream.taken < limit:
+                stream.put(stream.pending)
                 stream.pending = None
+            # NOTE: a request paused for its reader stays here after its held delta went
+            # out: a reader that then takes nothing more stalls with nothing held back.
+            paused = request_id in self._paused and self._streams.get(request_id) is stream
+            if stream.pending is None and not paused:
                 del self._backlog[request_id]
-                stream.put(pending)
-            elif now - stream.last_read > self.config.stream_stall_timeout:
+            elif (
+                stream.sent > stream.taken
+                and now - stream.last_read > self.config.stream_stall_timeout
+            ):
                 stream.pending = None
                 del self._backlog[request_id]
                 self._streams.pop(request_id, None)

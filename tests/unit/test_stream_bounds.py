@@ -92,6 +92,35 @@ def test_stalled_reader_is_ended_and_its_kv_freed(tiny_llama_dir: Path, where: s
 
 
 @WHERE
+def test_a_reader_that_stops_once_its_held_delta_went_out_is_ended_too(
+    tiny_llama_dir: Path, where: str
+) -> None:
+    """The reader falls behind (its request paused, a delta held), takes one more output
+    (the held delta goes into its queue: nothing is held any more) and then nothing: the
+    paused request still ends after the stall timeout, rather than waiting forever."""
+
+    async def main() -> None:
+        engine = _engine(tiny_llama_dir, where, max_queued_outputs=3, stream_stall_timeout=0.3)
+        try:
+            gen = engine.generate(PROMPT, ENDLESS, "stops")
+            first = await gen.__anext__()  # the request starts with the first read
+            await _until(lambda: engine.stats()["reader_pauses_total"] >= 1)
+            await _until(lambda: "stops" in engine._backlog)
+            second = await gen.__anext__()
+            assert not (first.finished or second.finished)
+            await _until(lambda: not engine._backlog and _kv_idle(engine), timeout=30.0)
+            got: list[RequestOutput] = []
+            with pytest.raises(StreamStalledError, match="stream-stall-timeout"):
+                async for out in gen:
+                    got.append(out)
+            assert len(got) <= 3 and not any(out.finished for out in got)
+        finally:
+            await engine.shutdown(1.0)
+
+    asyncio.run(main())
+
+
+@WHERE
 def test_slow_reader_gets_every_token_as_merged_deltas(tiny_llama_dir: Path, where: str) -> None:
     async def main() -> None:
         engine = _engine(tiny_llama_dir, where, max_queued_outputs=2, stream_stall_timeout=600.0)
