@@ -1,9 +1,14 @@
 """Decode steps replayed from CUDA graphs: greedy tokens equal to eager decode (fp32
-through batch and context buckets, a bf16 batch), no host sync in a replayed step, and
-decode speed with graphs against without for the report."""
+through batch buckets, and context buckets with the gather fallback; a bf16 batch), no
+host sync in a replayed step, and decode speed with graphs against without for the report.
+
+With in-place attention (Triton, the default on CUDA) graphs are keyed by batch size only
+(one context bucket, the request table's width) and all captured at start-up; the gather
+fallback (``attention_backend="torch"``) keeps context buckets, captured lazily."""
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from pathlib import Path
@@ -24,13 +29,20 @@ def graphs_of(engine: Engine) -> DecodeGraphRunner:
     runner = engine.runner.graphs
     assert runner is not None, "device graphs are off on CUDA (see the engine's log)"
     assert engine.health()["device_graphs"] is True
+    # In place: every batch size captured (and checked) before the first request.
+    assert runner.captured_at_start == runner.in_place
     return runner
+
+
+def replays_of_batch(runner: DecodeGraphRunner, batch: int) -> int:
+    """Replays of ``batch``'s graphs, whatever their context bucket."""
+    return sum(count for (size, _), count in runner.replays.items() if size == batch)
 
 
 def staggered(engine: Engine, seed: int) -> list[list[int]]:
     """11 requests that start together (batch bucket 16) and end at different steps
     (buckets 8, 4, 2, 1 on the way down); two of the 248-token prompts cross the
-    256-token context bucket while they decode."""
+    256-token context bucket of the gather fallback while they decode."""
     rng = random.Random(seed)
     ids = []
     for i in range(11):
@@ -46,28 +58,35 @@ def staggered(engine: Engine, seed: int) -> list[list[int]]:
     return [final[i] for i in ids]
 
 
-def test_fp32_graphs_match_eager_across_buckets(tiny_model_dir: Path) -> None:
-    eager = engine_for(tiny_model_dir, kv_cache_tokens=4096, disable_cuda_graph=True)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp32_graphs_match_eager_across_buckets(tiny_model_dir: Path, backend: str) -> None:
+    options: dict[str, Any] = dict(kv_cache_tokens=4096, attention_backend=backend)
+    eager = engine_for(tiny_model_dir, disable_cuda_graph=True, **options)
     assert eager.runner.graphs is None
     expected = staggered(eager, seed=1)
     eager.close()
-    engine = engine_for(tiny_model_dir, kv_cache_tokens=4096)
+    engine = engine_for(tiny_model_dir, **options)
     runner = graphs_of(engine)
+    assert runner.in_place == (backend == "triton")
     got = staggered(engine, seed=1)
     assert runner.failure is None, runner.failure
     assert got == expected
     batches = {batch for batch, _ in runner.replays}
     contexts = {context for _, context in runner.replays}
     assert {16, 8, 4} <= batches, runner.replays
-    assert {256, 512} <= contexts, runner.replays
+    if runner.in_place:
+        assert contexts == set(runner.context_buckets), runner.replays  # the one bucket
+    else:
+        assert {256, 512} <= contexts, runner.replays
     stats = engine.stats()
     assert stats["kv_used"] == 0 and stats["kv_free"] + stats["kv_cached"] == stats["kv_total"]
     engine.close()
 
 
 def test_bf16_decode_batch_with_graphs_matches_eager(tiny_model_dir: Path) -> None:
-    # Different lengths: eager attention masks its padding too (no kernel switch to the
-    # unmasked one), so both paths differ only by the context bucket's masked columns.
+    # Different lengths: with the gather fallback eager attention masks its padding too
+    # (no kernel switch to the unmasked one), so both paths differ only by the context
+    # bucket's masked columns; in place, both run the same paged kernel.
     batch = [p[: 12 + 2 * i] for i, p in enumerate(prompts(8, 26, seed=3))]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     eager = engine_for(
@@ -80,7 +99,7 @@ def test_bf16_decode_batch_with_graphs_matches_eager(tiny_model_dir: Path) -> No
     got = [out.token_ids for out in engine.generate(batch, params)]
     assert runner.failure is None, runner.failure
     assert got == expected
-    assert runner.replays[(8, 256)] >= 14  # every decode step of the batch replayed
+    assert replays_of_batch(runner, 8) >= 14  # every decode step of the batch replayed
     engine.close()
 
 
@@ -89,7 +108,10 @@ def test_replayed_steps_never_sync_the_host(
 ) -> None:
     engine = engine_for(tiny_model_dir, kv_cache_tokens=1024)
     runner = graphs_of(engine)
-    runner.capture(4, 256)
+    bucket = runner.bucket_of([26] * 3)  # 20-token prompts and 6 new tokens
+    assert bucket is not None
+    if bucket not in runner.graphs:
+        runner.capture(*bucket)  # the gather fallback captures lazily; in place, at start-up
     real_run = runner.run
     replayed: list[int] = []
 
@@ -111,34 +133,27 @@ def test_replayed_steps_never_sync_the_host(
 
 def test_decode_speed_with_and_without_graphs(small_model_dir: Path, figures: Figures) -> None:
     results: dict[tuple[bool, int], float] = {}
-    for graphs in (False, True):
+    startup: dict[bool, tuple[float, int]] = {}  # seconds and bytes reserved by the engine
+    for graphs in (False, True):  # eager first: it compiles the kernels both runs share
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
+        start = time.perf_counter()
         engine = engine_for(
             small_model_dir,
             dtype="bfloat16",
             kv_cache_tokens=8192,
             disable_cuda_graph=not graphs,
         )
+        torch.cuda.synchronize()
+        startup[graphs] = (
+            time.perf_counter() - start,
+            torch.cuda.memory_reserved() - reserved,
+        )
         engine.check_invariants = False  # a timing, not an accounting check
         if graphs:
             runner = graphs_of(engine)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved()
-            for batch in (1, 32):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                runner.capture(batch, 256)  # what a lazy first step adds, once
-                torch.cuda.synchronize()
-                figures.add(
-                    f"graph capture, batch {batch} x context 256",
-                    round((time.perf_counter() - start) * 1e3, 1),
-                    "ms",
-                )
-            figures.add(
-                "graph memory reserved (2 graphs, shared pool)",
-                round((torch.cuda.memory_reserved() - before) / 2**20, 1),
-                "MiB",
-            )
         decode_speed(engine, 4)  # warm-up: kernels, allocator
         for batch in (1, 32):
             tokens_per_s, itl = decode_speed(engine, batch)
@@ -152,8 +167,20 @@ def test_decode_speed_with_and_without_graphs(small_model_dir: Path, figures: Fi
             results[(graphs, batch)] = tokens_per_s
         if graphs:
             assert runner.failure is None, runner.failure
-            assert runner.replays[(1, 256)] >= 32 and runner.replays[(32, 256)] >= 32
+            assert replays_of_batch(runner, 1) >= 32 and replays_of_batch(runner, 32) >= 32
+            sizes = len(runner.graphs)
         engine.close()
+        del engine
+    figures.add(
+        f"start-up time added by graphs ({sizes} graphs captured, each checked)",
+        round(startup[True][0] - startup[False][0], 2),
+        "s",
+    )
+    figures.add(
+        f"graph memory reserved ({sizes} graphs, shared pool, and their buffers)",
+        round((startup[True][1] - startup[False][1]) / 2**20, 1),
+        "MiB",
+    )
     for batch in (1, 32):
         figures.add(
             f"decode batch {batch}: graphs / eager",
