@@ -21,13 +21,12 @@ runs on the CPU under Triton's interpreter (tests/unit/test_kernel_goals.py).
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.gpu.kernel_checks import check_kernels, check_moe, sync, timed  # noqa: E402
 
 # The 1.1B Llama shape of the README's figures (TinyLlama), with a 32k vocabulary.
 LLAMA_1B = dict(
@@ -60,109 +61,93 @@ GOALS = {
 }
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes the goals are measured at. ``DRY`` shrinks every one of them, so that the
+    whole script runs on a CPU in about a minute (tests/unit/test_kernel_goals.py): its
+    figures mean nothing there, but every step of the GPU run is taken once."""
+
+    model: dict[str, Any]
+    decode_prompt: int = 128  # decode at batch 1 and 64
+    decode_steps: int = 48
+    short: int = 512  # the outlier case: 63 of these and one of ``outlier``
+    outlier: int = 32768
+    outlier_steps: int = 16
+    prefill: tuple[int, int] = (8, 2048)  # prompts x tokens in one step
+    max_model_len: int = 34000
+    kv_cache_tokens: int = 120_000
+    greedy: tuple[tuple[int, ...], int] = ((7, 40, 130, 300), 24)  # prompts, new tokens
+    mixed: dict[str, Any] = field(
+        default_factory=lambda: dict(layers=12, prompts=64, input_len=128, output_len=32)
+    )
+    engine: dict[str, Any] = field(default_factory=dict)  # every engine's extra settings
 
 
-# ---- 1. kernels ---------------------------------------------------------------------------
-
-
-def check_kernels(device: str = "cuda") -> list[tuple[str, float, float]]:
-    """(case, max abs error, tolerance) of the Triton paged attention on ``device``
-    against the float64 reference; raises AssertionError on the first case past it."""
-    from engine.layers.triton_ops.paged_attention import paged_attention
-    from tests.unit.triton_reference import make_batch, reference_attention, work_list
-
-    cases: list[tuple[str, dict[str, Any], dict[str, Any], torch.dtype, bool]] = [
-        (
-            "decode fp32 splits",
-            dict(prefix_lens=[0, 300, 40, 1000], q_lens=[1] * 4),
-            {},
-            torch.float32,
-            True,
-        ),
-        (
-            "extend fp32 prefix",
-            dict(prefix_lens=[0, 77, 5], q_lens=[130, 64, 1]),
-            {},
-            torch.float32,
-            False,
-        ),
-        (
-            "extend window softcap",
-            dict(prefix_lens=[20, 200], q_lens=[33, 9]),
-            dict(window=32, softcap=30.0),
-            torch.float32,
-            False,
-        ),
-        ("decode bf16", dict(prefix_lens=[511, 2000], q_lens=[1, 1]), {}, torch.bfloat16, True),
-        ("extend bf16", dict(prefix_lens=[0, 64], q_lens=[96, 40]), {}, torch.bfloat16, False),
-    ]
-    results = []
-    for name, lens, options, dtype, decode in cases:
-        batch = make_batch(**lens, q_heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=dtype)
-        moved = {
-            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()
-        }
-        extend = (
-            {}
-            if decode
-            else {
-                "q_starts": moved["q_starts"],
-                "q_lens": moved["q_lens"],
-                "work": work_list(batch).to(device),
-            }
-        )
-        out = paged_attention(
-            moved["q"], moved["k_cache"], moved["v_cache"], moved["req_table"],
-            moved["req_rows"], moved["seq_lens"], **extend, **options,
-        )  # fmt: skip
-        error = (out.double().cpu() - reference_attention(batch, **options)).abs().max().item()
-        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-        assert error <= tolerance, f"{name}: max error {error:.3g} > {tolerance}"
-        results.append((name, error, tolerance))
-    return results
-
+FULL = Sizes(model=LLAMA_1B)
+DRY = Sizes(
+    model=dict(LLAMA_1B, vocab_size=384, hidden_size=64, intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2),
+    decode_prompt=16, decode_steps=3, short=24, outlier=600, outlier_steps=3,
+    prefill=(2, 64), max_model_len=1024, kv_cache_tokens=8192, greedy=((7, 40), 4),
+    mixed=dict(layers=2, prompts=6, input_len=16, output_len=6, hidden_size=64,
+               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    # Small chunks keep the outlier's prefill longer than the timed steps, as on the GPU.
+    engine=dict(chunked_prefill_size=64, max_prefill_tokens=256),
+)  # fmt: skip
 
 # ---- engine helpers -----------------------------------------------------------------------
 
 
-def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> Any:
+def make_engine(
+    model_dir: Path, device: str, dtype: str, sizes: Sizes = FULL, **overrides: Any
+) -> Any:
     from engine import Engine, EngineConfig
 
     config = dict(
         model=str(model_dir),
         device=device,
         dtype=dtype,
-        kv_cache_tokens=120_000,
+        kv_cache_tokens=sizes.kv_cache_tokens,
         max_running_requests=64,
         enable_prefix_cache=False,
+        **sizes.engine,
     )
     config.update(overrides)
     return Engine(EngineConfig(**config))
 
 
-def decode_step_times(engine: Any, prompt_lens: list[int], output: int, device: str) -> list[float]:
-    """Times (s) of the steps in which every request decodes together."""
+def decode_step_times(engine: Any, prompt_lens: list[int], steps: int, device: str) -> list[float]:
+    """Times (s) of ``steps`` steps in which every request decodes together, taken once
+    all of them have their first token. A long prompt is prefilled in chunks over many
+    steps while the others already decode (the outlier case: 32 chunks against 16
+    timed steps), so each request may generate enough to outlast that: two steps per
+    chunk of every prompt (prefill and decode steps alternate), then the timed steps."""
     from engine import SamplingParams
 
     rng = random.Random(len(prompt_lens))
-    vocab = engine.vocab_size
-    params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
-    for n in prompt_lens:
-        engine.add_request([rng.randrange(3, vocab) for _ in range(n)], params)
-    sampled: dict[str, int] = {}
+    chunk = engine.config.chunked_prefill_size
+    admission = 2 * sum(-(-n // chunk) for n in prompt_lens) + 2
+    params = SamplingParams(max_tokens=admission + steps, temperature=0, ignore_eos=True)
+    ids = [
+        engine.add_request([rng.randrange(3, engine.vocab_size) for _ in range(n)], params)
+        for n in prompt_lens
+    ]
+    started: set[str] = set()
+    while len(started) < len(ids):
+        assert engine.has_work, f"{len(ids) - len(started)} requests never started"
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
     times: list[float] = []
-    while engine.has_work:
+    for _ in range(steps):
         sync(device)
         start = time.perf_counter()
         outputs = engine.step()
         sync(device)
-        if len(outputs) == len(prompt_lens) and all(sampled.get(o.request_id) for o in outputs):
-            times.append(time.perf_counter() - start)
-        for o in outputs:
-            sampled[o.request_id] = sampled.get(o.request_id, 0) + len(o.new_token_ids)
+        times.append(time.perf_counter() - start)
+        assert len(outputs) == len(ids), f"{len(outputs)} of {len(ids)} requests decoded"
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_work:
+        engine.step()
     return times
 
 
@@ -186,72 +171,27 @@ def matmul_floor(config: dict[str, Any], tokens: int, device: str) -> float:
     return total * config["num_hidden_layers"]
 
 
-def check_moe(device: str = "cuda") -> list[tuple[str, float, float, float]]:
-    """(case, max abs error against the per-expert PyTorch loop, its ms, the Triton
-    kernels' ms) of the MoE kernels on ``device``, Mixtral-like widths (8 experts, top
-    2); raises AssertionError on an error past the dtype's tolerance."""
-    from engine.layers.moe import SparseMoE
-    from engine.layers.triton_ops.fused_moe import fused_experts
-
-    torch.manual_seed(0)
-    hidden, inter = (1024, 1536) if device != "cpu" else (64, 96)
-    moe = SparseMoE(hidden, inter, 8, 2, renormalize=True).to(device)
-    moe.gate.weight.data.normal_()
-    moe.w13.data.normal_(std=0.02)
-    moe.w2.data.normal_(std=0.02)
-    results = []
-    for tokens in (1, 64, 2048) if device != "cpu" else (1, 9):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(tokens, hidden, device=device).to(dtype)
-            w13, w2 = moe.w13.data.to(dtype), moe.w2.data.to(dtype)
-            experts, weights = moe.route(x.float())
-            weights = weights.to(dtype)
-            reference = SparseMoE(hidden, inter, 8, 2, renormalize=True).to(device, dtype)
-            reference.w13.data, reference.w2.data = w13, w2
-            loop = functools.partial(reference.per_expert, x, experts, weights)
-            fused = functools.partial(fused_experts, x, w13, w2, experts, weights)
-            want, got = loop().float(), fused().float()
-            error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-            tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-            name = f"moe {str(dtype)[6:]} {tokens} tokens"
-            assert error <= tolerance, f"{name}: relative error {error:.3g} > {tolerance}"
-            loop_ms, fused_ms = 1e3 * timed(loop, device), 1e3 * timed(fused, device)
-            results.append((name, error, loop_ms, fused_ms))
-    return results
-
-
-def timed(fn: Callable[[], Any], device: str, repeats: int = 5) -> float:
-    fn()
-    sync(device)
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
-
-
 # ---- 2-5. goals ---------------------------------------------------------------------------
 
 
-def greedy_identity(model_dir: Path, device: str) -> dict[str, bool]:
+def greedy_identity(model_dir: Path, device: str, sizes: Sizes = FULL) -> dict[str, bool]:
     """Greedy tokens in float32: every (graphs, attention) combination against eager
     gather attention."""
     from engine import SamplingParams
 
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (7, 40, 130, 300)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    lengths, new_tokens = sizes.greedy
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     outputs = {}
     combos = [(g, b, False) for g in (False, True) for b in ("torch", "triton")]
     for graphs, backend, mixed in [*combos, (True, "triton", True)]:
         engine = make_engine(
-            model_dir, device, "float32", attention_backend=backend,
+            model_dir, device, "float32", sizes, attention_backend=backend,
             disable_cuda_graph=not graphs, kv_cache_tokens=8192,
             enable_mixed_batches=mixed or None,
         )  # fmt: skip
-        if mixed:
+        if mixed and device != "cpu":  # no device graphs on a CPU (the dry run)
             assert engine.runner.mixed_graphs is not None, "mixed graphs did not capture"
         outputs[(graphs, backend, mixed)] = [o.token_ids for o in engine.generate(prompts, params)]
         engine.close()
@@ -262,7 +202,9 @@ def greedy_identity(model_dir: Path, device: str) -> dict[str, bool]:
     }
 
 
-def mixed_schedules(scratch: Path, device: str) -> tuple[float, float, float, float, bool]:
+def mixed_schedules(
+    scratch: Path, device: str, sizes: Sizes = FULL
+) -> tuple[float, float, float, float, bool]:
     """tests/gpu/profile_mixed.py's setting once per schedule: (mixed output tok/s,
     alternating tok/s, mixed median ITL ms, decode-only step ms at batch 16, whether the
     mixed run replayed mixed graphs)."""
@@ -272,12 +214,15 @@ def mixed_schedules(scratch: Path, device: str) -> tuple[float, float, float, fl
     from tests.gpu.conftest import make_model
     from tests.gpu.profile_mixed import SHAPE
 
-    model = make_model(scratch / "smol", num_hidden_layers=12, **SHAPE)
+    run = dict(sizes.mixed)
+    layers, prompts = run.pop("layers"), run.pop("prompts")
+    input_len, output_len = run.pop("input_len"), run.pop("output_len")
+    model = make_model(scratch / "smol", num_hidden_layers=layers, **{**SHAPE, **run})
     launch = LaunchOptions(model=str(model), device=device, dtype="bfloat16", kv_cache_tokens=32768)
     workload = generate(
         WorkloadConfig(
-            workload="random", seed=0, num_prompts=64, input_len=128, output_len=32,
-            range_ratio=0.5,
+            workload="random", seed=0, num_prompts=prompts, input_len=input_len,
+            output_len=output_len, range_ratio=0.5,
         )
     )  # fmt: skip
     # Also the warm-up: its start-up captures compile every kernel the runs use.
@@ -286,7 +231,7 @@ def mixed_schedules(scratch: Path, device: str) -> tuple[float, float, float, fl
     engine.close()
     mixed_tok_s, mixed_itl = engine_run(launch, True, workload, 8.0, 0)
     alternating_tok_s, _ = engine_run(launch, False, workload, 8.0, 0)
-    step = decode_step_ms(launch, 16, 128, 30, 0)
+    step = decode_step_ms(launch, min(16, prompts), input_len, 30, 0)
     return mixed_tok_s, alternating_tok_s, mixed_itl, step, graphed
 
 
@@ -294,49 +239,58 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="4 layers instead of 22")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every step at tiny sizes on the CPU (Triton interpreted), figures meaningless",
+    )
     args = parser.parse_args(argv)
     from tests.gpu.conftest import make_model
 
-    device = args.device
+    sizes = DRY if args.dry_run else FULL
+    device = "cpu" if args.dry_run else args.device
     torch.set_grad_enabled(False)
     print(f"# issue 27 goals, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device}")
-    for name, error, tolerance in check_kernels(device):
-        print(f"kernel {name:24s} max error {error:.2e} (tolerance {tolerance:g})  ok")
-    for name, error, loop_ms, fused_ms in check_moe(device):
-        print(
-            f"kernel {name:24s} relative error {error:.2e}  ok; per-expert loop "
-            f"{loop_ms:.3f} ms, Triton {fused_ms:.3f} ms"
-        )
-    config = dict(LLAMA_1B, num_hidden_layers=4 if args.quick else 22)
+    if args.dry_run:
+        print("# DRY RUN: tiny sizes on the CPU; the figures below mean nothing")
+    else:  # the dry run's test checks the kernels apart (tests/unit/test_kernel_goals.py)
+        kernel_rows(device)
+    layers = sizes.model["num_hidden_layers"]
+    config = dict(sizes.model, num_hidden_layers=min(4, layers) if args.quick else layers)
     rows: list[tuple[str, str, str, str]] = []
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = make_model(Path(scratch) / "llama-1b", **config)
-        engine = make_engine(model_dir, device, "bfloat16", max_model_len=34000)
+        engine = make_engine(
+            model_dir, device, "bfloat16", sizes, max_model_len=sizes.max_model_len
+        )
         graphs = engine.runner.graphs is not None
         print(f"attention {engine.attention_backend}, decode graphs {'on' if graphs else 'OFF'}")
         for batch in (1, 64):
-            step = statistics.median(decode_step_times(engine, [128] * batch, 48, device))
+            prompts = [sizes.decode_prompt] * batch
+            step = statistics.median(decode_step_times(engine, prompts, sizes.decode_steps, device))
             key = f"decode_b{batch}_tok_s"
             rows.append(
                 (key, f"{batch / step:,.0f}", f"{BEFORE[key]:,.0f}", f">= {GOALS[key]:,.0f}")
             )
-        short = statistics.median(decode_step_times(engine, [512] * 64, 16, device))
-        outlier = statistics.median(decode_step_times(engine, [512] * 63 + [32768], 16, device))
-        ratio = outlier / short
-        rows.append(("outlier_step_ratio", f"{ratio:.2f}", "OOM / >>10", "<= 1.5"))
+        steps = sizes.outlier_steps
+        short = statistics.median(decode_step_times(engine, [sizes.short] * 64, steps, device))
+        lens = [sizes.short] * 63 + [sizes.outlier]
+        outlier = statistics.median(decode_step_times(engine, lens, steps, device))
+        rows.append(("outlier_step_ratio", f"{outlier / short:.2f}", "OOM / >>10", "<= 1.5"))
         engine.close()
+        count, length = sizes.prefill
         prefill_engine = make_engine(
-            model_dir, device, "bfloat16", chunked_prefill_size=16384, max_prefill_tokens=16384,
-            max_running_requests=8,
+            model_dir, device, "bfloat16", sizes, chunked_prefill_size=count * length,
+            max_prefill_tokens=count * length, max_running_requests=count,
         )  # fmt: skip
-        prefill = prefill_seconds(prefill_engine, 8, 2048, device)
-        floor = matmul_floor(config, 8 * 2048, device)
+        prefill = prefill_seconds(prefill_engine, count, length, device)
+        floor = matmul_floor(config, count * length, device)
         rows.append(("prefill_floor_fraction", f"{floor / prefill:.2f}", "n/a", ">= 0.5"))
         prefill_engine.close()
         small = make_model(Path(scratch) / "small", num_hidden_layers=4)
-        for combo, same in greedy_identity(small, device).items():
+        for combo, same in greedy_identity(small, device, sizes).items():
             rows.append((f"greedy fp32 {combo}", "same" if same else "DIFFERENT", "-", "same"))
-        mixed, alternating, itl, step, graphed = mixed_schedules(Path(scratch), device)
+        mixed, alternating, itl, step, graphed = mixed_schedules(Path(scratch), device, sizes)
         print(f"mixed steps {'replay graphs' if graphed else 'EAGER (mixed graphs off)'}")
         rows.append(("mixed_itl_over_decode_step", f"{itl / step:.2f}", "n/a", "<= 1.3"))
         rows.append(("mixed_tok_s_over_alternating", f"{mixed / alternating:.2f}", "n/a", ">= 1.0"))
@@ -345,6 +299,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:40s} {now:>12s} {before:>12s} {goal:>10s}")
     print(launch_options_line())
     return 0
+
+
+def kernel_rows(device: str) -> None:
+    """Check the kernels on ``device`` (tests/gpu/kernel_checks.py) and print their rows."""
+    for name, error, tolerance in check_kernels(device):
+        print(f"kernel {name:24s} max error {error:.2e} (tolerance {tolerance:g})  ok")
+    for name, error, loop_ms, fused_ms in check_moe(device):
+        print(
+            f"kernel {name:24s} relative error {error:.2e}  ok; per-expert loop "
+            f"{loop_ms:.3f} ms, Triton {fused_ms:.3f} ms"
+        )
 
 
 def launch_options_line() -> str:
@@ -369,7 +334,7 @@ def prefill_seconds(engine: Any, prompts: int, length: int, device: str) -> floa
     runs = []
     for _ in range(3):
         for _ in range(prompts):
-            engine.add_request([rng.randrange(3, 30000) for _ in range(length)], params)
+            engine.add_request([rng.randrange(3, engine.vocab_size) for _ in range(length)], params)
         sync(device)
         start = time.perf_counter()
         engine.step()

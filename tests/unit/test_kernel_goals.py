@@ -1,6 +1,8 @@
 """The GPU goals script (tests/gpu/kernel_goals.py) checked on the CPU: it imports, its
-kernel check runs under Triton's interpreter and fails on a wrong kernel, and the parts
-that need no GPU compute what they say."""
+kernel checks (tests/gpu/kernel_checks.py) run under Triton's interpreter and fail on a
+wrong kernel, the parts that need no GPU compute what they say, and its dry run takes
+every step of the GPU run at tiny sizes, so a broken step fails here, not in a device
+session's few minutes."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.layers.triton_ops import paged_attention as kernels
-from tests.gpu import kernel_goals
+from tests.gpu import kernel_checks, kernel_goals
 
 SCRIPT = Path(kernel_goals.__file__)
 
@@ -22,14 +24,43 @@ SCRIPT = Path(kernel_goals.__file__)
 def test_script_parses_and_has_a_main() -> None:
     tree = ast.parse(SCRIPT.read_text())
     names = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    assert {
-        "main",
-        "check_kernels",
-        "check_moe",
-        "matmul_floor",
-        "greedy_identity",
-        "mixed_schedules",
-    } <= names
+    assert {"main", "matmul_floor", "greedy_identity", "mixed_schedules"} <= names
+    assert kernel_goals.check_kernels is kernel_checks.check_kernels
+
+
+@pytest.mark.slow
+def test_the_dry_run_takes_every_step_and_prints_every_figure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The outlier case prefills its long prompt over more steps than it times, as on the
+    # GPU (a version that let the short requests end first had no step to time there).
+    dry = kernel_goals.DRY
+    assert -(-dry.outlier // dry.engine["chunked_prefill_size"]) > dry.outlier_steps
+    assert kernel_goals.main(["--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines if line}
+    for name in kernel_goals.GOALS:
+        assert name in rows, name
+        float(rows[name][0].replace(",", ""))  # a figure was measured
+    # fp32 greedy tokens: the Triton kernels (interpreted) and the gather path agree.
+    greedy = [line for line in lines if line.startswith("greedy fp32")]
+    assert len(greedy) == 5 and all(line.split()[-3] == "same" for line in greedy), greedy
+
+
+def test_decode_step_times_waits_for_a_long_prompt_and_leaves_no_request(
+    tmp_path: Path,
+) -> None:
+    from tests.gpu.conftest import make_model
+
+    model = make_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    engine = kernel_goals.make_engine(
+        model, "cpu", "float32", kernel_goals.DRY, kv_cache_tokens=4096
+    )
+    # 300 tokens in chunks of 64: five prefill steps, while the short ones decode.
+    times = kernel_goals.decode_step_times(engine, [8, 8, 300], 3, "cpu")
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert not engine.has_work and engine.stats()["kv_used"] == 0
+    engine.close()
 
 
 @pytest.mark.slow
