@@ -3,7 +3,12 @@ random-weight Llama in bf16, decode step times at several batch sizes against HF
 ``generate`` on the same weights, and a profiler summary of one batch's decode steps
 (the host-device syncs per step counted).
 
-    python3 tests/gpu/profile_decode.py [--out DIR] [--disable-cuda-graph]
+    python3 tests/gpu/profile_decode.py [--out DIR] [--disable-cuda-graph] [--overlap]
+                                        [--skip-hf]
+
+At batch 64 it prints the host's share of a decode step: wall time minus the GPU's busy
+time (the profiler's device time of the steps), over wall time (issue 28: <= 15%). With
+``--overlap`` the steps run through the overlapped loop, timed turn to turn with no sync.
 
 Uses the machine's own python3 and torch, like the device check.
 """
@@ -17,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,18 +56,24 @@ def prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def decode_steps(engine: Engine, batch: int, profile: torch.profiler.profile | None = None):
-    """Step times (s) of the steps in which all ``batch`` requests decode together."""
+    """Step times (s) of the steps in which all ``batch`` requests decode together. The
+    overlapped loop is timed from one turn's end to the next with no sync (its next step
+    is on the device by then); the plain loop step by step, synced."""
     params = SamplingParams(max_tokens=OUTPUT, temperature=0, ignore_eos=True)
     for prompt in prompts(batch, seed=batch):
         engine.add_request(prompt, params)
     sampled: dict[str, int] = {}
     times: list[float] = []
-    while engine.has_work:
-        sync()
-        start = time.perf_counter()
-        outputs = engine.step()
-        sync()
+    start = time.perf_counter()
+    while engine.loop.has_work:
+        if not engine.overlap:
+            sync()
+            start = time.perf_counter()
+        outputs = engine.loop.step()
+        if not engine.overlap:
+            sync()
         elapsed = time.perf_counter() - start
+        start = time.perf_counter()
         if len(outputs) == batch and all(sampled.get(o.request_id, 0) for o in outputs):
             times.append(elapsed)
             if profile is not None:
@@ -90,6 +102,17 @@ def hf_step(model_dir: Path, batch: int) -> float:
     return (long - short) / OUTPUT
 
 
+def host_share_line(active: list[float], averages: Any) -> str:
+    """Batch 64's wall time a step (the profiled steps: after 2 waited and 2 warm-up),
+    the GPU's busy time a step (every event's own device time), and the host's share."""
+    wall = sum(active) / len(active)
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e6 / len(active)
+    return (
+        f"batch 64, {len(active)} profiled steps: wall {wall * 1e3:.3f} ms a step, GPU busy "
+        f"{busy * 1e3:.3f} ms, host share {max(0.0, 1 - busy / wall):.0%} (issue 28: <= 15%)"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None, help="where the profiler tables go")
@@ -98,6 +121,8 @@ def main() -> int:
     parser.add_argument(
         "--disable-cuda-graph", action="store_true", help="eager decode steps (no CUDA graphs)"
     )
+    parser.add_argument("--overlap", action="store_true", help="the overlapped loop")
+    parser.add_argument("--skip-hf", action="store_true", help="no HF generate comparison")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -114,33 +139,34 @@ def main() -> int:
                 max_running_requests=128,
                 enable_prefix_cache=False,
                 disable_cuda_graph=args.disable_cuda_graph,
+                disable_overlap_schedule=not args.overlap,
             )
         )
         params = sum(p.numel() for p in engine.model.parameters())
         graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
         print(
             f"model: {params / 1e9:.2f}B parameters, bf16, prompt {PROMPT}, output {OUTPUT}, "
-            f"decode {graphs} (a bucket's first step includes its capture)"
+            f"decode {graphs}, {'overlapped' if engine.overlap else 'plain'} loop"
         )
         decode_steps(engine, 4)  # warm-up
         for batch in (1, 16, 64):
             times = decode_steps(engine, batch)
             med = statistics.median(times)
-            hf = hf_step(model_dir, batch)
+            line = f"batch {batch:3d}: engine decode step {med * 1e3:7.2f} ms ({batch / med:8.0f} tok/s)"
+            if not args.skip_hf:
+                hf = hf_step(model_dir, batch)
+                line += f", HF generate step {hf * 1e3:7.2f} ms, engine/HF time {med / hf:.2f}"
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-            print(
-                f"batch {batch:3d}: engine decode step {med * 1e3:7.2f} ms "
-                f"({batch / med:8.0f} tok/s), HF generate step {hf * 1e3:7.2f} ms, "
-                f"engine/HF time {med / hf:.2f}"
-            )
+            print(line)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if DEVICE == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         schedule = torch.profiler.schedule(wait=2, warmup=2, active=8, repeat=1)
         with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-            decode_steps(engine, 64, prof)
+            times = decode_steps(engine, 64, prof)
         averages = prof.key_averages()
+        print(host_share_line(times[4:12], averages))
         syncs = {
             e.key: e.count / 8
             for e in averages
