@@ -113,3 +113,47 @@ def test_tokenizer_is_small_and_self_contained() -> None:
     sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
     assert set(sizes) == {"tokenizer.json", "tokenizer_config.json"}
     assert sum(sizes.values()) < 64 * 1024
+
+
+SESSION = ROOT / "tests" / "gpu" / "session.sh"
+
+
+def session_parts() -> list[tuple[str, int, list[str]]]:
+    """(name, seconds, command) of each ``part`` line of tests/gpu/session.sh."""
+    parts = []
+    for line in SESSION.read_text().splitlines():
+        if line.startswith("part "):
+            _, name, limit, *command = line.split()
+            parts.append((name, int(limit), command))
+    return parts
+
+
+def test_the_session_script_fits_one_device_call_and_its_commands_take_their_flags() -> None:
+    assert subprocess.run(["bash", "-n", str(SESSION)], check=False).returncode == 0
+    parts = session_parts()
+    assert parts[0][0] == "device_check"
+    # One device call runs 10 minutes at most; the parts and their kill grace fit in 9.5.
+    assert sum(limit + 10 for _, limit, _ in parts) <= 570
+    for name, _, command in parts:
+        assert command[0] == "python3" and (ROOT / command[1]).is_file(), name
+        flags = [arg for arg in command[2:] if arg.startswith("--")]
+        if not flags:
+            continue
+        usage = run([sys.executable, command[1], "--help"])
+        assert usage.returncode == 0, usage.stderr
+        for flag in flags:
+            assert flag in usage.stdout, (name, flag)
+
+
+def test_the_session_script_stops_at_once_without_cuda(tmp_path: Path) -> None:
+    # The machine's python3 as the session sees it: this interpreter (CPU torch).
+    (tmp_path / "python3").symlink_to(sys.executable)
+    result = run(
+        ["bash", str(SESSION)],
+        OUT=str(tmp_path / "out"),
+        PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "== device_check: exit 3" in result.stdout
+    assert "kernel_goals" not in result.stdout  # nothing else spent device time
+    assert (tmp_path / "out" / "device_check.log").is_file()
