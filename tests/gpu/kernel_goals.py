@@ -258,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     layers = sizes.model["num_hidden_layers"]
     config = dict(sizes.model, num_hidden_layers=min(4, layers) if args.quick else layers)
     rows: list[tuple[str, str, str, str]] = []
+
+    def row(name: str, now: str, before: str, goal: str) -> None:
+        """A figure printed once measured (a run cut short keeps what it had), and in the
+        table at the end."""
+        rows.append((name, now, before, goal))
+        print(f"measured: {name} {now} (goal {goal})", flush=True)
+
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = make_model(Path(scratch) / "llama-1b", **config)
         engine = make_engine(
@@ -269,14 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [sizes.decode_prompt] * batch
             step = statistics.median(decode_step_times(engine, prompts, sizes.decode_steps, device))
             key = f"decode_b{batch}_tok_s"
-            rows.append(
-                (key, f"{batch / step:,.0f}", f"{BEFORE[key]:,.0f}", f">= {GOALS[key]:,.0f}")
-            )
+            row(key, f"{batch / step:,.0f}", f"{BEFORE[key]:,.0f}", f">= {GOALS[key]:,.0f}")
         steps = sizes.outlier_steps
         short = statistics.median(decode_step_times(engine, [sizes.short] * 64, steps, device))
         lens = [sizes.short] * 63 + [sizes.outlier]
         outlier = statistics.median(decode_step_times(engine, lens, steps, device))
-        rows.append(("outlier_step_ratio", f"{outlier / short:.2f}", "OOM / >>10", "<= 1.5"))
+        row("outlier_step_ratio", f"{outlier / short:.2f}", "OOM / >>10", "<= 1.5")
         engine.close()
         count, length = sizes.prefill
         prefill_engine = make_engine(
@@ -285,15 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         prefill = prefill_seconds(prefill_engine, count, length, device)
         floor = matmul_floor(config, count * length, device)
-        rows.append(("prefill_floor_fraction", f"{floor / prefill:.2f}", "n/a", ">= 0.5"))
+        row("prefill_floor_fraction", f"{floor / prefill:.2f}", "n/a", ">= 0.5")
         prefill_engine.close()
         small = make_model(Path(scratch) / "small", num_hidden_layers=4)
         for combo, same in greedy_identity(small, device, sizes).items():
-            rows.append((f"greedy fp32 {combo}", "same" if same else "DIFFERENT", "-", "same"))
+            row(f"greedy fp32 {combo}", "same" if same else "DIFFERENT", "-", "same")
         mixed, alternating, itl, step, graphed = mixed_schedules(Path(scratch), device, sizes)
         print(f"mixed steps {'replay graphs' if graphed else 'EAGER (mixed graphs off)'}")
-        rows.append(("mixed_itl_over_decode_step", f"{itl / step:.2f}", "n/a", "<= 1.3"))
-        rows.append(("mixed_tok_s_over_alternating", f"{mixed / alternating:.2f}", "n/a", ">= 1.0"))
+        row("mixed_itl_over_decode_step", f"{itl / step:.2f}", "n/a", "<= 1.3")
+        row("mixed_tok_s_over_alternating", f"{mixed / alternating:.2f}", "n/a", ">= 1.0")
     print(f"{'figure':40s} {'now':>12s} {'before':>12s} {'goal':>10s}")
     for name, now, before, goal in rows:
         print(f"{name:40s} {now:>12s} {before:>12s} {goal:>10s}")

@@ -19,6 +19,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
+export PYTHONUNBUFFERED=1  # a part killed at its limit still leaves what it printed
 mkdir -p "$OUT"
 echo "logs in $OUT; $(date -u '+%Y-%m-%d %H:%M UTC')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"

@@ -39,9 +39,11 @@ def test_the_dry_run_takes_every_step_and_prints_every_figure(
     assert kernel_goals.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in lines if line}
+    measured = {line.split()[1] for line in lines if line.startswith("measured: ")}
     for name in kernel_goals.GOALS:
         assert name in rows, name
         float(rows[name][0].replace(",", ""))  # a figure was measured
+        assert name in measured, name  # and printed then, not only in the final table
     # fp32 greedy tokens: the Triton kernels (interpreted) and the gather path agree.
     greedy = [line for line in lines if line.startswith("greedy fp32")]
     assert len(greedy) == 5 and all(line.split()[-3] == "same" for line in greedy), greedy
