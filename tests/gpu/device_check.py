@@ -23,6 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 GPU_TESTS = Path(__file__).resolve().parent
 EXIT_NO_DEVICE = 3
+# A folder that keeps the JUnit XML and the figures (one JSON object a line, written as
+# each is measured), so a run cut short still leaves them (tests/gpu/session.sh).
+KEEP_ENV = "HISERVE_DEVICE_CHECK_DIR"
 
 
 def cuda_problem() -> str | None:
@@ -115,9 +118,12 @@ def main() -> int:
             file=sys.stderr,
         )
         return EXIT_NO_DEVICE
+    kept = os.environ.get(KEEP_ENV)
     with tempfile.TemporaryDirectory(prefix="hiserve-device-check-") as scratch:
-        junit = Path(scratch) / "junit.xml"
-        figures_file = Path(scratch) / "figures.jsonl"
+        folder = Path(kept or scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        junit = folder / "junit.xml"
+        figures_file = folder / "figures.jsonl"
         env = dict(os.environ)
         env["HISERVE_DEVICE_REPORT"] = str(figures_file)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

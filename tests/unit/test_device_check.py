@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "gpu" / "device_check.py"
 BLOCKED = ("fastapi", "pydantic", "uvicorn", "gguf", "openai")
@@ -157,3 +159,26 @@ def test_the_session_script_stops_at_once_without_cuda(tmp_path: Path) -> None:
     assert "== device_check: exit 3" in result.stdout
     assert "kernel_goals" not in result.stdout  # nothing else spent device time
     assert (tmp_path / "out" / "device_check.log").is_file()
+
+
+def test_a_kept_folder_holds_the_report_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With HISERVE_DEVICE_CHECK_DIR the JUnit XML and the figures stay there (a session
+    cut short keeps them); the session script sets it."""
+    from tests.gpu import device_check
+
+    def pytest_run(command: list[str], cwd: Path, env: dict[str, str]) -> int:
+        junit = Path(next(a for a in command if a.startswith("--junitxml=")).split("=", 1)[1])
+        junit.write_text('<testsuite><testcase name="t" time="1.0"/></testsuite>')
+        Path(env["HISERVE_DEVICE_REPORT"]).write_text('{"name": "f", "value": 1, "unit": ""}\n')
+        return 0
+
+    kept = tmp_path / "kept"
+    monkeypatch.setenv(device_check.KEEP_ENV, str(kept))
+    monkeypatch.setattr(device_check, "cuda_problem", lambda: None)
+    monkeypatch.setattr(device_check.subprocess, "call", pytest_run)
+    monkeypatch.setattr(device_check, "report", lambda rows, figures, seconds: str(rows))
+    assert device_check.main() == 0
+    assert (kept / "junit.xml").is_file() and (kept / "figures.jsonl").is_file()
+    assert f'export {device_check.KEEP_ENV}="$OUT/device_check"' in SESSION.read_text()
