@@ -2,10 +2,11 @@
 (not a test; prints a table):
 
     python3 tests/gpu/kernel_goals.py [--quick]
+    TRITON_INTERPRET=1 python tests/gpu/kernel_goals.py --dry-run   (CPU, tiny sizes)
 
 1. the Triton kernels against the float64 reference on the device (decode with splits,
    varlen extend over a prefix, windows + soft-capping, bf16), and the MoE kernels
-   against the per-expert loop, both timed;
+   against the per-expert loop, both timed (tests/gpu/kernel_checks.py);
 2. 1.1B Llama shape, bf16, decode with graphs: tok/s at batch 1 and 64;
 3. batch 64 with one 32k-token context among 63 of 512: step time against all-512;
 4. prefill of 8 x 2,048 tokens against the bf16 matmul floor of the same shapes;
@@ -14,8 +15,10 @@
 6. mixed steps with graphs under steady arrivals (tests/gpu/profile_mixed.py's setting):
    median ITL against the decode-only step, throughput against alternating steps.
 
-Uses the machine's own python3 and torch, like the device check. ``check_kernels`` also
-runs on the CPU under Triton's interpreter (tests/unit/test_kernel_goals.py).
+Uses the machine's own python3 and torch, like the device check. Each figure is printed
+once measured, then all of them in a table. The kernel checks also run on the CPU under
+Triton's interpreter, and the dry run takes every other step at tiny sizes there
+(tests/unit/test_kernel_goals.py), so a broken step fails CI, not a device session.
 """
 
 from __future__ import annotations
