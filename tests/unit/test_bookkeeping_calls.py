@@ -134,8 +134,8 @@ def test_counter_sees_calls_and_host_reads() -> None:
 # ---- allocation against the one-request-at-a-time path ---------------------------------
 
 
-def manager_with(num_pages: int) -> KVCacheManager:
-    allocator = PageAllocator(num_pages, PAGE)
+def manager_with(num_pages: int, page: int = PAGE) -> KVCacheManager:
+    allocator = PageAllocator(num_pages, page)
     table = ReqTable(8, 128, torch.device("cpu"))
     return KVCacheManager(allocator, table, RadixCache(allocator, enabled=False))
 
@@ -150,9 +150,16 @@ def admitted(manager: KVCacheManager, prompt_lens: list[int]) -> list[Req]:
     return reqs
 
 
-def test_decode_allocation_matches_one_request_at_a_time() -> None:
-    lens = [3, 4, 5, 8, 1, 6]
-    one_by_one, batched = manager_with(40), manager_with(40)
+@pytest.mark.parametrize(
+    "page, lens",
+    [
+        (PAGE, [3, 4, 5, 8, 1, 6]),  # some rows open a page, others continue theirs
+        (PAGE, [4, 8, 4, 12]),  # every row opens a page at once, every fourth step
+        (1, [3, 4, 5, 8, 1, 6]),  # every row opens a page at every step
+    ],
+)
+def test_decode_allocation_matches_one_request_at_a_time(page: int, lens: list[int]) -> None:
+    one_by_one, batched = manager_with(160 // page, page), manager_with(160 // page, page)
     reqs_a, reqs_b = admitted(one_by_one, lens), admitted(batched, lens)
     for _ in range(9):  # crosses page boundaries for every request
         expected = torch.cat([one_by_one.alloc(r, 1) for r in reqs_a])
