@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 GPU_TESTS = Path(__file__).resolve().parent
 EXIT_NO_DEVICE = 3
-# A folder that keeps the JUnit XML and the figures (one JSON object a line, written as
-# each is measured), so a run cut short still leaves them (tests/gpu/session.sh).
+# A folder that keeps the figures (one JSON object a line, written as each is measured,
+# so a run cut short still leaves them) and pytest's JUnit XML (written when it ends).
 KEEP_ENV = "HISERVE_DEVICE_CHECK_DIR"
 
 

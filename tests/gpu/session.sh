@@ -35,7 +35,7 @@ part() {  # part NAME SECONDS COMMAND...: run it under a limit, log to $OUT/NAME
     return $rc
 }
 
-# Its JUnit XML and figures stay in $OUT/device_check, written as each test ends.
+# Its figures stay in $OUT/device_check as each is measured (its JUnit XML at the end).
 export HISERVE_DEVICE_CHECK_DIR="$OUT/device_check"
 part device_check 230 python3 tests/gpu/device_check.py
 [ $? -eq 3 ] && exit 3  # no CUDA device: the device check said why
