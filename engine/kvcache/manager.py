@@ -226,20 +226,16 @@ class KVCacheManager:
                 raise OutOfSlotsError(
                     f"need {num_pages} KV pages, {self.allocator.free_pages} free after eviction"
                 )
+        meta = torch.tensor([[r.row for r in reqs], [r.kv_len for r in reqs]], dtype=torch.int64)
+        rows, columns = meta.unbind(0)  # [B] each
         if num_pages == len(reqs):  # every row opens a page (each step at page size 1)
-            meta = torch.tensor(
-                [[r.row for r in reqs], [r.kv_len for r in reqs]], dtype=torch.int64
-            )
-            rows, columns = meta.unbind(0)  # [B] each
             slots = self.allocator.alloc_page_ids(num_pages) * page  # [B]
         else:
-            meta = torch.tensor([[r.row for r in reqs], [r.kv_len for r in reqs], opens])
-            rows, columns, opening = meta.unbind(0)  # [B] each
             # Continuing a page: the slot after the previous token's (the CPU mirror: no
             # sync). A row that opens a page reads a column it overwrites below.
             slots = self.req_table.cpu[rows, columns - 1].to(torch.int64) + 1  # [B]
             if num_pages:
-                slots[opening.bool()] = self.allocator.alloc_page_ids(num_pages) * page
+                slots[torch.tensor(opens)] = self.allocator.alloc_page_ids(num_pages) * page
         self.req_table.write_cells(rows, columns, slots)
         for req in reqs:
             req.kv_len += 1
