@@ -198,18 +198,25 @@ def test_engine_close_with_backups_in_flight(
 def decode_speed(engine: Engine, batch: int) -> tuple[float, float]:
     """(tokens/s, median inter-token latency in s) over the steps in which all ``batch``
     requests decode together. Only a request's last snapshot carries ``token_ids``, so a
-    decode step is told by every request having sampled a token before it."""
+    decode step is told by every request having sampled a token before it. Steps run
+    through the engine's loop: plain, each synced and timed alone; overlapped, timed
+    from one turn's end to the next with no sync (the next step is on the device then,
+    and a sync would undo the overlap)."""
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for prompt in prompts(batch, 32, seed=batch):
         engine.add_request(prompt, params)
     sampled: dict[str, int] = {}
     step_times: list[float] = []
-    while engine.has_work:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        outputs = engine.step()
-        torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.loop.has_work:
+        if not engine.overlap:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        outputs = engine.loop.step()
+        if not engine.overlap:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        start = time.perf_counter()
         if len(outputs) == batch and all(sampled.get(o.request_id, 0) for o in outputs):
             step_times.append(elapsed)
         for o in outputs:

@@ -34,6 +34,15 @@ def graphs_of(engine: Engine) -> DecodeGraphRunner:
     return runner
 
 
+def ensure_captured(runner: DecodeGraphRunner, seq_lens: list[int]) -> None:
+    """The graph of a decode batch with these context lengths captured before it runs:
+    the gather fallback captures lazily; in place, every graph exists from start-up."""
+    bucket = runner.bucket_of(seq_lens)
+    assert bucket is not None
+    if bucket not in runner.graphs:
+        runner.capture(*bucket)
+
+
 def replays_of_batch(runner: DecodeGraphRunner, batch: int) -> int:
     """Replays of ``batch``'s graphs, whatever their context bucket."""
     return sum(count for (size, _), count in runner.replays.items() if size == batch)
@@ -108,10 +117,7 @@ def test_replayed_steps_never_sync_the_host(
 ) -> None:
     engine = engine_for(tiny_model_dir, kv_cache_tokens=1024)
     runner = graphs_of(engine)
-    bucket = runner.bucket_of([26] * 3)  # 20-token prompts and 6 new tokens
-    assert bucket is not None
-    if bucket not in runner.graphs:
-        runner.capture(*bucket)  # the gather fallback captures lazily; in place, at start-up
+    ensure_captured(runner, [26] * 3)  # 20-token prompts and 6 new tokens
     real_run = runner.run
     replayed: list[int] = []
 

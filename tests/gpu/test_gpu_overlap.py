@@ -6,8 +6,6 @@ goal: batch 32 within 1.3x of batch 1)."""
 from __future__ import annotations
 
 import random
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,8 @@ from engine import SamplingParams
 from engine.scheduled_batch import ScheduledBatch
 from engine.step_loop import LaunchedStep
 from tests.gpu.conftest import VOCAB, Figures, forbidding_syncs
-from tests.gpu.test_gpu_engine import engine_for, multiturn, prompts
+from tests.gpu.test_gpu_engine import decode_speed, engine_for, multiturn, prompts
+from tests.gpu.test_gpu_graphs import ensure_captured
 
 pytestmark = pytest.mark.cuda
 
@@ -65,10 +64,7 @@ def test_launching_a_decode_step_never_waits(tiny_model_dir: Path) -> None:
     engine = engine_for(tiny_model_dir, kv_cache_tokens=1024, disable_overlap_schedule=False)
     runner = engine.runner.graphs
     assert engine.overlap and runner is not None
-    bucket = runner.bucket_of([28] * 3)  # 20-token prompts and 8 new tokens
-    assert bucket is not None
-    if bucket not in runner.graphs:
-        runner.capture(*bucket)  # the gather fallback captures lazily; in place, at start-up
+    ensure_captured(runner, [28] * 3)  # 20-token prompts and 8 new tokens
     real_launch = engine.launch
     checked: list[int] = []
 
@@ -86,28 +82,6 @@ def test_launching_a_decode_step_never_waits(tiny_model_dir: Path) -> None:
     engine.close()
 
 
-def loop_decode_speed(engine: Any, batch: int) -> tuple[float, float]:
-    """(tokens/s, median inter-token latency in s) through the engine's loop, over the
-    turns in which all ``batch`` requests got a token after having one before. No device
-    sync between turns: the overlapped loop's next step is on the device by then."""
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for prompt in prompts(batch, 32, seed=batch):
-        engine.add_request(prompt, params)
-    sampled: dict[str, int] = {}
-    gaps: list[float] = []
-    last = time.perf_counter()
-    while engine.loop.has_work:
-        outputs = engine.loop.step()
-        now = time.perf_counter()
-        if len(outputs) == batch and all(sampled.get(o.request_id, 0) for o in outputs):
-            gaps.append(now - last)
-        last = now
-        for o in outputs:
-            sampled[o.request_id] = sampled.get(o.request_id, 0) + len(o.new_token_ids)
-    assert len(gaps) >= 32, f"only {len(gaps)} turns gave all {batch} requests a token"
-    return batch * len(gaps) / sum(gaps), statistics.median(gaps)
-
-
 def test_decode_speed_overlapped_and_plain(small_model_dir: Path, figures: Figures) -> None:
     for overlap in (False, True):
         engine = engine_for(
@@ -116,11 +90,11 @@ def test_decode_speed_overlapped_and_plain(small_model_dir: Path, figures: Figur
         )  # fmt: skip
         assert engine.overlap == overlap
         engine.check_invariants = False  # a timing, not an accounting check
-        loop_decode_speed(engine, 4)  # warm-up
+        decode_speed(engine, 4)  # warm-up
         itl = {}
         label = "overlapped" if overlap else "plain"
         for batch in (1, 32):
-            tokens_per_s, itl[batch] = loop_decode_speed(engine, batch)
+            tokens_per_s, itl[batch] = decode_speed(engine, batch)
             figures.add(f"loop {label}, batch {batch}: throughput", round(tokens_per_s, 1), "tok/s")
             figures.add(
                 f"loop {label}, batch {batch}: inter-token latency",
